@@ -1,0 +1,1 @@
+"""Story generators: TAPM-style models and zero-shot VLM prompting (to come)."""

@@ -1,0 +1,84 @@
+"""Reward registry: ``create_reward("repetition", **config)``.
+
+Built-in rewards are registered by import path so that listing or creating a
+model-free reward never imports torch. Register your own with
+:func:`register_reward`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from storyrl.rewards.base import Reward, completion_text
+
+__all__ = [
+    "Reward",
+    "completion_text",
+    "create_reward",
+    "get_reward_class",
+    "list_rewards",
+    "load_reward_config",
+    "register_reward",
+]
+
+_REGISTRY: dict[str, type[Reward] | str] = {
+    "repetition": "storyrl.rewards.repetition:Repetition",
+}
+
+
+def register_reward(name: str | None = None):
+    """Class decorator adding a :class:`Reward` subclass to the registry under
+    ``name`` (default: the class's ``name`` attribute)."""
+
+    def decorator(cls: type[Reward]) -> type[Reward]:
+        key = name or cls.name
+        if not key:
+            raise ValueError(f"{cls.__name__}: a registered reward needs a name")
+        _REGISTRY[key] = cls
+        return cls
+
+    return decorator
+
+
+def list_rewards() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_reward_class(name: str) -> type[Reward]:
+    try:
+        entry = _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown reward {name!r}; available: {', '.join(list_rewards())}") from None
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
+    return entry
+
+
+def create_reward(name: str, **config: Any) -> Reward:
+    """Instantiate a registered reward with its configuration."""
+    cls = get_reward_class(name)
+    try:
+        return cls(**config)
+    except TypeError as exc:
+        raise TypeError(f"reward {name!r}: bad configuration {config}: {exc}") from exc
+
+
+def load_reward_config(path: str | Path) -> Reward:
+    """Create a reward from a YAML file: ``reward: <name>`` plus its options."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: cannot read reward config: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("reward"), str):
+        raise ValueError(f"{path}: a reward config is a mapping with a 'reward: <name>' key")
+    options = {k: v for k, v in data.items() if k != "reward"}
+    try:
+        return create_reward(data["reward"], **options)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from exc

@@ -1,0 +1,110 @@
+"""RoViST-NR non-redundancy ("repetition"), exactly as the d_HM authors computed it.
+
+Per sentence, the word tokens minus the last one (meant to drop the period).
+Inter-sentence: every sentence against every earlier one; intra-sentence:
+consecutive 4-token chunks against the chunk right after them. Each comparison is
+``pairs / |set(a) ∪ set(b)|`` where ``pairs`` counts equal token *pairs*
+(Σ_t c_a(t)·c_b(t)), not the set intersection, as the authors' loops do, so a
+comparison can exceed 1 and the score can be negative for degenerate text.
+Score = 1 − mean(mean(inter), mean(intra) or 0); 1 = no repetition.
+
+Unscorable (NaN): a story without any inter-sentence pair (fewer than two
+sentences), and a story with two sentences that both have no tokens left (the
+authors' tool would divide by zero there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from operator import mul
+
+import numpy as np
+
+from storyrl.rewards.base import Reward
+from storyrl.text import tokenize_story
+
+__all__ = ["Repetition", "repetition_from_tokens", "repetition_score"]
+
+
+def repetition_from_tokens(sentences: Sequence[Sequence[str]], chunk_size: int = 4) -> float:
+    """RoViST-NR of a story given the word tokens of each sentence."""
+    words = [list(s[:-1]) for s in sentences]
+    if len(words) < 2:
+        return math.nan
+    # Equal-pair counts come from token counts (Σ_t c_a(t)·c_b(t)), identical to
+    # the authors' pair loops; a sentence without repeated tokens counts 1 each.
+    sets = [set(w) for w in words]
+    counts = [Counter(w) if len(s) != len(w) else None for s, w in zip(sets, words)]
+    inter_sum = 0.0
+    n_inter = 0
+    for i in range(1, len(words)):
+        si, ci = sets[i], counts[i]
+        for j in range(i):
+            sj, cj = sets[j], counts[j]
+            common = si & sj
+            union = len(si) + len(sj) - len(common)
+            if not union:
+                return math.nan
+            n_inter += 1
+            if not common:
+                continue
+            if ci is None and cj is None:
+                pairs = len(common)
+            else:
+                ci_get = ci.__getitem__ if ci is not None else _one
+                cj_get = cj.__getitem__ if cj is not None else _one
+                pairs = sum(map(mul, map(ci_get, common), map(cj_get, common)))
+            inter_sum += pairs / union
+    intra_sum = 0.0
+    n_intra = 0
+    for toks, distinct in zip(words, sets):
+        if len(toks) <= chunk_size:
+            continue
+        n_intra += (len(toks) - 1) // chunk_size
+        if len(distinct) == len(toks):
+            continue  # no token repeats: every chunk comparison is 0
+        for k in range(chunk_size, len(toks), chunk_size):
+            prev, nxt = toks[k - chunk_size : k], toks[k : k + chunk_size]
+            if not distinct.isdisjoint(nxt) and not set(prev).isdisjoint(nxt):
+                intra_sum += sum(map(nxt.count, prev)) / len(set(prev).union(nxt))
+    inter = inter_sum / n_inter
+    intra = intra_sum / n_intra if n_intra else 0.0
+    return 1.0 - (inter + intra) / 2.0
+
+
+def _one(_token: str) -> int:
+    return 1
+
+
+def repetition_score(story: str, chunk_size: int = 4) -> float:
+    """RoViST-NR of a story text (NLTK-compatible sentence and word splitting)."""
+    return repetition_from_tokens(tokenize_story(story), chunk_size)
+
+
+class Repetition(Reward):
+    """RoViST-NR non-redundancy as a reward (higher = less repetitive).
+
+    Finite scores are at most 1; they are usually in [0, 1] but can be negative
+    for degenerate text (see module docs). ``chunk_size`` is the intra-sentence
+    n-gram length (4 in the paper and the authors' tool).
+    """
+
+    name = "repetition"
+    higher_is_better = True
+    value_range = (-math.inf, 1.0)
+
+    def __init__(self, chunk_size: int = 4) -> None:
+        super().__init__()
+        if not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        self.chunk_size = chunk_size
+
+    def config(self) -> dict:
+        return {"chunk_size": self.chunk_size}
+
+    def _score_batch(self, stories: list[str], **context) -> np.ndarray:
+        return np.fromiter(
+            (repetition_score(s, self.chunk_size) for s in stories), dtype=np.float64, count=len(stories)
+        )

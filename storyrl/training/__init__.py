@@ -1,0 +1,1 @@
+"""RL fine-tuning against storyrl rewards and training of learned metrics (to come)."""
