@@ -15,9 +15,7 @@ registered under the ``torchvision`` namespace and a single
 
 from __future__ import annotations
 
-import glob
-import importlib.abc
-import importlib.util
+import importlib.machinery
 import os
 import sys
 import threading
@@ -56,9 +54,11 @@ def _find_extension() -> str | None:
     """Path of torchvision's compiled ``_C`` extension, located without importing torchvision."""
     spec = _real_spec("torchvision")
     for directory in (spec and spec.submodule_search_locations) or ():
-        hits = sorted(glob.glob(os.path.join(directory, "_C*.so")) + glob.glob(os.path.join(directory, "_C*.pyd")))
-        if hits:
-            return hits[0]
+        # Same lookup as torchvision's _get_extension_path: _C + any extension suffix.
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(directory, "_C" + suffix)
+            if os.path.isfile(path):
+                return path
     return None
 
 
@@ -159,8 +159,12 @@ def _allow_fallback_ops() -> None:
         boxes._assert_has_ops = lambda: None
 
 
-class _TorchvisionHook(importlib.abc.MetaPathFinder):
-    """One-shot finder: runs ensure just before torchvision is first imported."""
+class _TorchvisionHook:
+    """One-shot meta path finder: runs ensure just before torchvision is first imported.
+
+    Duck-typed rather than subclassing importlib.abc.MetaPathFinder, whose import
+    (importlib.resources, ...) would add ~10 ms to ``import storyrl``.
+    """
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torchvision":

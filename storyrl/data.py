@@ -1,0 +1,410 @@
+"""Story sets and score tables on disk.
+
+Formats
+-------
+* Story set, JSON object ``{story_id: story}`` (the authors' tools and
+  ``shared/data/dhm``).
+* Story set, JSONL: one record per line with ``story_id`` and ``story`` and
+  optionally ``images`` (paths), ``image_ids`` and ``reference`` (human story).
+* Score table, CSV: ``story_id`` plus one column per metric; an empty cell (or
+  ``nan``) means unscorable.
+* VIST story-in-sequence annotations and the VWP test split (loaders below).
+
+Every malformed input raises :class:`StoryDataError` naming the file, the
+record and the problem; nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "StoryDataError",
+    "StoryRecord",
+    "ScoreTable",
+    "ScoreWriter",
+    "load_stories",
+    "save_stories",
+    "read_scores",
+    "write_scores",
+    "load_vist_sis",
+    "load_vwp",
+    "METRIC_ALIASES",
+]
+
+
+class StoryDataError(ValueError):
+    """A malformed story or score file: says which file, which record, what."""
+
+    def __init__(self, path: str | os.PathLike, problem: str, record: Any = None) -> None:
+        self.path, self.problem, self.record = str(path), problem, record
+        where = f"{self.path}" if record is None else f"{self.path}: record {record}"
+        super().__init__(f"{where}: {problem}")
+
+
+@dataclass
+class StoryRecord:
+    story_id: str
+    story: str
+    images: list[str] | None = None
+    image_ids: list[str] | None = None
+    reference: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+# ---------------------------------------------------------------------------
+# Story sets
+# ---------------------------------------------------------------------------
+
+
+def _no_duplicate_keys(path: Path):
+    def hook(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise StoryDataError(path, "duplicate story id", record=repr(key))
+            seen.add(key)
+        return dict(pairs)
+
+    return hook
+
+
+def _string_list(value: Any, path: Path, record: str, name: str) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, (str, int)) for v in value):
+        raise StoryDataError(path, f"'{name}' must be a list of strings", record)
+    return [str(v) for v in value]
+
+
+def load_stories(path: str | os.PathLike) -> list[StoryRecord]:
+    """Read a story set: a ``.jsonl`` file of records, or a JSON object
+    ``{story_id: story}`` (any other extension)."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if path.suffix == ".jsonl":
+        return _parse_jsonl(text, path)
+    try:
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+    except json.JSONDecodeError as exc:
+        raise StoryDataError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise StoryDataError(path, f"expected a JSON object {{story_id: story}}, got {type(data).__name__}")
+    records = []
+    for story_id, story in data.items():
+        if not isinstance(story, str):
+            raise StoryDataError(path, f"story must be a string, got {type(story).__name__}", repr(story_id))
+        records.append(StoryRecord(story_id, story))
+    return records
+
+
+def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:
+    records: list[StoryRecord] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"at line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise StoryDataError(path, f"invalid JSON: {exc.msg}", where) from exc
+        if not isinstance(obj, dict):
+            raise StoryDataError(path, "a record must be a JSON object", where)
+        for key in ("story_id", "story"):
+            if key not in obj:
+                raise StoryDataError(path, f"missing field '{key}'", where)
+        story_id = obj["story_id"]
+        if not isinstance(story_id, (str, int)) or isinstance(story_id, bool):
+            raise StoryDataError(path, "'story_id' must be a string", where)
+        story_id = str(story_id)
+        where = f"{story_id!r} at line {lineno}"
+        if story_id in seen:
+            raise StoryDataError(path, f"duplicate story id (first at line {seen[story_id]})", where)
+        seen[story_id] = lineno
+        if not isinstance(obj["story"], str):
+            raise StoryDataError(path, f"story must be a string, got {type(obj['story']).__name__}", where)
+        reference = obj.get("reference")
+        if reference is not None and not isinstance(reference, str):
+            raise StoryDataError(path, "'reference' must be a string", where)
+        records.append(
+            StoryRecord(
+                story_id,
+                obj["story"],
+                images=_string_list(obj.get("images"), path, where, "images"),
+                image_ids=_string_list(obj.get("image_ids"), path, where, "image_ids"),
+                reference=reference,
+            )
+        )
+    return records
+
+
+def save_stories(records: Iterable[StoryRecord], path: str | os.PathLike) -> None:
+    """Write records as JSONL, or as ``{story_id: story}`` JSON for other suffixes."""
+    path = Path(path)
+    records = list(records)
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    else:
+        path.write_text(json.dumps({r.story_id: r.story for r in records}, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------
+# Score tables
+# ---------------------------------------------------------------------------
+
+#: Column names of the authors' score files, mapped to storyrl metric names.
+METRIC_ALIASES = {
+    "R_score": "repetition",
+    "non_redun_score": "repetition",
+    "C_score": "coherence",
+    "G_score": "groovist",
+}
+
+
+@dataclass
+class ScoreTable:
+    """Per-story scores: ``scores[metric][story_id] -> float`` (NaN = unscorable)."""
+
+    ids: list[str] = field(default_factory=list)
+    scores: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> list[str]:
+        return list(self.scores)
+
+    def merge(self, other: ScoreTable, source: str = "") -> ScoreTable:
+        """Add the columns of ``other`` (a metric may come from one table only)."""
+        for metric in other.scores:
+            if metric in self.scores:
+                raise ValueError(f"{source or 'score table'}: metric {metric!r} given twice")
+        known = set(self.ids)
+        self.ids.extend(i for i in other.ids if i not in known)
+        self.scores.update(other.scores)
+        return self
+
+
+def _parse_score(value: str, path: Path, record: str, metric: str) -> float:
+    value = value.strip()
+    if value == "" or value.lower() in ("nan", "none", "null"):
+        return math.nan
+    try:
+        return float(value)
+    except ValueError:
+        raise StoryDataError(path, f"{metric}: not a number: {value!r}", record) from None
+
+
+def read_scores(path: str | os.PathLike, metric: str | None = None) -> ScoreTable:
+    """Read a score table.
+
+    * CSV with ``story_id`` and metric columns (the authors' ``R_score`` /
+      ``C_score`` / ``non_redun_score`` are renamed, see ``METRIC_ALIASES``).
+      With ``metric``, a single-score CSV's column is renamed to it.
+    * JSON object ``{story_id: score}`` (the authors' GROOViST output): needs
+      ``metric``; ``null`` means unscorable.
+    """
+    path = Path(path)
+    if path.suffix == ".json":
+        if metric is None:
+            raise StoryDataError(path, "a {story_id: score} JSON file needs a metric name (METRIC=PATH)")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys(path))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise StoryDataError(path, f"cannot read: {exc}") from exc
+        if not isinstance(data, dict):
+            raise StoryDataError(path, "expected a JSON object {story_id: score}")
+        column = {}
+        for sid, value in data.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise StoryDataError(path, f"score must be a number or null, got {value!r}", repr(sid))
+            column[sid] = math.nan if value is None else float(value)
+        return ScoreTable(list(column), {metric: column})
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            rows = list(csv.reader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if not rows or "story_id" not in rows[0]:
+        raise StoryDataError(path, "a score CSV needs a header with a 'story_id' column")
+    header = rows[0]
+    id_col = header.index("story_id")
+    value_cols = [(k, METRIC_ALIASES.get(name, name)) for k, name in enumerate(header) if k != id_col]
+    if metric is not None:
+        if len(value_cols) != 1:
+            raise StoryDataError(path, f"METRIC={path} needs a CSV with exactly one score column")
+        value_cols = [(value_cols[0][0], metric)]
+    table = ScoreTable(scores={name: {} for _, name in value_cols})
+    seen: set[str] = set()
+    for lineno, row in enumerate(rows[1:], 2):
+        if not row:
+            continue
+        if len(row) != len(header):
+            raise StoryDataError(path, f"expected {len(header)} cells, got {len(row)}", f"at line {lineno}")
+        sid = row[id_col]
+        where = f"{sid!r} at line {lineno}"
+        if sid in seen:
+            raise StoryDataError(path, "duplicate story id", where)
+        seen.add(sid)
+        table.ids.append(sid)
+        for k, name in value_cols:
+            table.scores[name][sid] = _parse_score(row[k], path, where, name)
+    return table
+
+
+def _format_score(value: float) -> str:
+    return "" if value is None or math.isnan(value) else repr(float(value))
+
+
+class ScoreWriter:
+    """Append rows to a score CSV as they are computed (flushed each write),
+    so an interrupted run keeps everything scored so far."""
+
+    def __init__(self, path: str | os.PathLike, metrics: Sequence[str], append: bool = False) -> None:
+        self.path = Path(path)
+        self.metrics = list(metrics)
+        #: story ids already in the file (when appending)
+        self.done: set[str] = set()
+        exists = append and self.path.exists() and self.path.stat().st_size > 0
+        if exists:
+            self._ensure_trailing_newline()
+            with self.path.open(newline="", encoding="utf-8") as fh:
+                reader = csv.reader(fh)
+                header = next(reader, None)
+                if header != ["story_id", *self.metrics]:
+                    raise StoryDataError(
+                        self.path, f"cannot resume: header {header} differs from {['story_id', *self.metrics]}"
+                    )
+                self.done = {row[0] for row in reader if row}
+        self._fh = self.path.open("a" if exists else "w", newline="", encoding="utf-8")
+        self._csv = csv.writer(self._fh)
+        if not exists:
+            self._csv.writerow(["story_id", *self.metrics])
+            self._fh.flush()
+
+    def _ensure_trailing_newline(self) -> None:
+        # A run killed mid-write may leave a partial last line: drop it.
+        data = self.path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            self.path.write_bytes(data[: data.rfind(b"\n") + 1])
+
+    def write(self, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
+        for k, sid in enumerate(ids):
+            self._csv.writerow([sid, *(_format_score(columns[m][k]) for m in self.metrics)])
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> ScoreWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_scores(path: str | os.PathLike, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
+    """Write a whole score table as CSV."""
+    with ScoreWriter(path, list(columns)) as writer:
+        writer.write(ids, columns)
+
+
+# ---------------------------------------------------------------------------
+# Dataset layouts
+# ---------------------------------------------------------------------------
+
+
+def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:
+    """VIST story-in-sequence annotations (``test.story-in-sequence.json``):
+    one record per story id with its 5 image ids in story order and the human
+    story (the storylets' ``text`` joined by spaces, as in the d_HM files)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
+        raise StoryDataError(path, "not a VIST SIS file: no 'annotations' list")
+    storylets: dict[str, list[dict]] = defaultdict(list)
+    for k, ann in enumerate(data["annotations"]):
+        items = ann if isinstance(ann, list) else [ann]
+        for item in items:
+            if not isinstance(item, dict):
+                raise StoryDataError(path, "annotation is not an object", f"annotations[{k}]")
+            for key in ("story_id", "photo_flickr_id", "worker_arranged_photo_order", "text"):
+                if key not in item:
+                    raise StoryDataError(path, f"missing field '{key}'", f"annotations[{k}]")
+            storylets[str(item["story_id"])].append(item)
+    records = []
+    for story_id, items in storylets.items():
+        items.sort(key=lambda it: int(it["worker_arranged_photo_order"]))
+        orders = [int(it["worker_arranged_photo_order"]) for it in items]
+        if orders != list(range(len(items))):
+            raise StoryDataError(path, f"photo orders {orders} are not 0..{len(items) - 1}", repr(story_id))
+        records.append(
+            StoryRecord(
+                story_id,
+                " ".join(str(it["text"]).strip() for it in items),
+                image_ids=[str(it["photo_flickr_id"]) for it in items],
+            )
+        )
+    return records
+
+
+def load_vwp(path: str | os.PathLike, text_column: str = "story") -> list[StoryRecord]:
+    """The VWP test split CSV (``vwp_v2.1_test.csv`` layout: ``scene_full_id``,
+    ``story``, ``link0``..``link9`` image URLs, ``select_imgs_list``).
+
+    Story ids are ``<scene_full_id>;<k>`` with ``k`` the story's position among
+    the rows of its scene (the id scheme of the d_HM VWP files); images are the
+    non-empty ``linkN`` cells in order; ``image_ids`` come from
+    ``select_imgs_list`` when present.
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if rows and ("scene_full_id" not in rows[0] or text_column not in rows[0]):
+        raise StoryDataError(path, f"not a VWP split: needs 'scene_full_id' and '{text_column}' columns")
+    per_scene: dict[str, int] = defaultdict(int)
+    records = []
+    for lineno, row in enumerate(rows, 2):
+        scene = row["scene_full_id"].strip()
+        if not scene:
+            raise StoryDataError(path, "empty scene_full_id", f"at line {lineno}")
+        story_id = f"{scene};{per_scene[scene]}"
+        per_scene[scene] += 1
+        links = [row[f"link{k}"].strip() for k in range(10) if (row.get(f"link{k}") or "").strip()]
+        image_ids = None
+        if (row.get("select_imgs_list") or "").strip():
+            image_ids = _parse_id_list(row["select_imgs_list"], path, f"{story_id!r} at line {lineno}")
+        records.append(StoryRecord(story_id, row[text_column], images=links or None, image_ids=image_ids))
+    return records
+
+
+def _parse_id_list(cell: str, path: Path, record: str) -> list[str]:
+    import ast
+
+    try:
+        value = ast.literal_eval(cell)
+    except (ValueError, SyntaxError):
+        value = [v for v in cell.replace(",", " ").split() if v]
+    if isinstance(value, (str, int)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise StoryDataError(path, f"select_imgs_list is not a list: {cell!r}", record)
+    return [str(v) for v in value]
