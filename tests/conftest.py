@@ -1,0 +1,30 @@
+"""Shared fixtures. The authors' data lives in ../shared/data (never copied
+here): tests that need it skip with a reason when it is absent, and fail
+instead when STORYRL_REQUIRE_SHARED=1 (CI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("STORYRL_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+sys.path.insert(0, str(Path(__file__).parent))  # for nltk_reference
+
+
+def shared_path(*parts: str) -> Path:
+    path = SHARED_DATA.joinpath(*parts)
+    if not path.exists():
+        if os.environ.get("STORYRL_REQUIRE_SHARED") == "1":
+            pytest.fail(f"STORYRL_REQUIRE_SHARED=1 but {path} is missing")
+        pytest.skip(f"shared reference data not available: {path}")
+    return path
+
+
+def load_story_json(*parts: str) -> dict[str, str]:
+    return json.loads(shared_path(*parts).read_text(encoding="utf-8"))
