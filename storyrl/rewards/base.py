@@ -17,7 +17,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 # Keyword arguments TRL passes to reward functions that are not story context.
-_TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "prompts"})
+_TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "environments"})
 
 
 def completion_text(completion: Any) -> str | None:
