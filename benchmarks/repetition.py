@@ -103,7 +103,7 @@ def pin_to_core(core: int | None) -> str:
     try:
         os.sched_setaffinity(0, {core})
     except OSError as exc:
-        return f"not pinned (sched_setaffinity({core}) failed: {exc})"
+        fail(f"cannot pin to core {core} ({exc}); this process may use cores {allowed}")
     return f"pinned to core {core} with os.sched_setaffinity"
 
 
@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure("all", all_stories, reference, args)]
     rows += [measure(label, stories, reference, args) for label, stories in per_file.items()]
 
-    print(f"{'stories':<22} {'n':>7} {'storyrl/s':>12} {'reference/s':>12} {'ratio':>8} {'NaN':>5} {'max|diff|':>9}  scores")
+    print(f"{'stories':<22} {'n':>7} {'storyrl/s':>12} {'reference/s':>12} {'ratio':>8} "
+          f"{'NaN':>5} {'max|diff|':>9}  scores")
     for row in rows:
         print_row(row)
 
