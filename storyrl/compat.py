@@ -68,7 +68,7 @@ def _load_native_ops(path: str) -> bool:
 
     try:
         torch.ops.load_library(path)
-    except (ImportError, OSError):
+    except (ImportError, OSError, RuntimeError):
         return False
     return True
 

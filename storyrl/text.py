@@ -7,7 +7,7 @@ Neither the model data nor NLTK is needed here: this module implements
 * the Punkt *algorithm* with no trained statistics plus the two things of the
   English model that matter on story text (``ABBREVIATIONS`` and "an ellipsis
   followed by a capitalised word ends a sentence"), which matches the authors'
-  splits on every VIST and VWP story we have (see docs in reference-notes.md);
+  splits on every VIST and VWP story we have (shared/docs/reference-notes.md);
 * NLTK 3.8's Treebank-style word tokenizer (``NLTKWordTokenizer``), whose regex
   cascade is applied rule by rule, skipping rules whose trigger characters are
   absent, so that plain sentences cost a couple of regex passes.
