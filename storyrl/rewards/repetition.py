@@ -65,10 +65,11 @@ def repetition_from_tokens(sentences: Sequence[Sequence[str]], chunk_size: int =
         n_intra += (len(toks) - 1) // chunk_size
         if len(distinct) == len(toks):
             continue  # no token repeats: every chunk comparison is 0
-        for k in range(chunk_size, len(toks), chunk_size):
-            prev, nxt = toks[k - chunk_size : k], toks[k : k + chunk_size]
-            if not distinct.isdisjoint(nxt) and not set(prev).isdisjoint(nxt):
-                intra_sum += sum(map(nxt.count, prev)) / len(set(prev).union(nxt))
+        chunks = [toks[k : k + chunk_size] for k in range(0, len(toks), chunk_size)]
+        chunk_sets = [set(c) for c in chunks]
+        for k in range(1, len(chunks)):
+            if not chunk_sets[k - 1].isdisjoint(chunk_sets[k]):
+                intra_sum += sum(map(chunks[k].count, chunks[k - 1])) / len(chunk_sets[k - 1] | chunk_sets[k])
     inter = inter_sum / n_inter
     intra = intra_sum / n_intra if n_intra else 0.0
     return 1.0 - (inter + intra) / 2.0
