@@ -91,17 +91,15 @@ def _context_has_break(context: str) -> bool:
     n = len(tokens)
     for i, tok in enumerate(tokens):
         # first pass: type-based annotation
-        sentbreak = abbr = ellipsis = False
+        sentbreak = ellipsis = False
         if tok in _SENT_END:
             sentbreak = True
         elif _is_ellipsis(tok):
             ellipsis = True
         elif tok.endswith(".") and not tok.endswith(".."):
+            # a known abbreviation's period does not end the sentence
             low = tok[:-1].lower()
-            if low in ABBREVIATIONS or low.split("-")[-1] in ABBREVIATIONS:
-                abbr = True
-            else:
-                sentbreak = True
+            sentbreak = low not in ABBREVIATIONS and low.split("-")[-1] not in ABBREVIATIONS
         # second pass: token-context annotation (needs a following token)
         if i + 1 < n and tok.endswith("."):
             nxt = tokens[i + 1]

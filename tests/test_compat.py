@@ -139,7 +139,6 @@ def test_noop_when_torchvision_already_imported():
 
 
 def _reference_nms(boxes, scores, thr):
-    import torch
 
     order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
     area = lambda b: float((b[2] - b[0]) * (b[3] - b[1]))
