@@ -77,7 +77,7 @@ def test_reward_metadata_and_bad_input():
     assert reward.higher_is_better
     scores = reward.score(["A dog ran. A cat sat.", None, 3, "single"])
     assert math.isfinite(scores[0]) and np.isnan(scores[1:]).all()
-    assert reward.stats == {"scored": 1, "unscorable": 3}
+    assert reward.stats == {"scored": 1, "unscorable": 3, "reasons": {"not text": 2}}
 
 
 def test_chunk_size_config():

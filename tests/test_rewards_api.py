@@ -37,7 +37,7 @@ def test_bad_story_in_a_batch_is_isolated():
     reward = create_reward("test_word_count")
     scores = reward.score(["a b", "boom", "", "c"])
     assert scores[0] == 2 and scores[3] == 1 and np.isnan(scores[1:3]).all()
-    assert reward.stats == {"scored": 2, "unscorable": 2}
+    assert reward.stats == {"scored": 2, "unscorable": 2, "reasons": {"RuntimeError": 1}}
 
 
 def test_systematic_failure_raises():

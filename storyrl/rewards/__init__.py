@@ -25,6 +25,8 @@ __all__ = [
 
 _REGISTRY: dict[str, type[Reward] | str] = {
     "repetition": "storyrl.rewards.repetition:Repetition",
+    "groovist": "storyrl.rewards.groovist:GROOViST",
+    "clipscore": "storyrl.rewards.clipscore:CLIPScore",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -62,11 +63,20 @@ class Reward:
     def __init__(self) -> None:
         # TRL names reward columns after the callable's __name__.
         self.__name__ = self.name
-        self.stats = {"scored": 0, "unscorable": 0}
+        self.stats = {"scored": 0, "unscorable": 0, "reasons": Counter()}
 
     # -- to implement -----------------------------------------------------
     def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
         raise NotImplementedError
+
+    def _unscorable(self, reason: str, detail: str = "") -> float:
+        """Record why a story gets NaN (counted in ``stats["reasons"]``, the
+        first occurrences of each reason logged) and return NaN."""
+        reasons = self.stats["reasons"]
+        reasons[reason] += 1
+        if reasons[reason] <= 3:
+            log.warning("%s: unscorable story (%s)%s", self.name, reason, f": {detail}" if detail else "")
+        return math.nan
 
     # -- public API ---------------------------------------------------------
     def score(self, stories: Sequence[Any], **context: Any) -> np.ndarray:
@@ -76,14 +86,16 @@ class Reward:
         stories = list(stories)
         out = np.full(len(stories), np.nan)
         valid = [i for i, s in enumerate(stories) if isinstance(s, str)]
+        for _ in range(len(stories) - len(valid)):
+            self._unscorable("not text")
         if valid:
             sub = {k: _take(v, valid, len(stories)) for k, v in context.items()}
             texts = [stories[i] for i in valid]
             try:
                 out[valid] = self._score_batch(texts, **sub)
-            except Exception:  # isolate the story that breaks the batch
+            except Exception as exc:  # isolate the story that breaks the batch
                 if len(valid) == 1:
-                    log.warning("%s: story %d unscorable", self.name, valid[0], exc_info=True)
+                    self._unscorable(type(exc).__name__, f"story {valid[0]}: {exc}")
                 else:
                     out[valid] = self._score_one_by_one(texts, valid, sub)
         n_bad = int(np.isnan(out).sum())
@@ -98,7 +110,7 @@ class Reward:
             try:
                 scores.append(float(self._score_batch([text], **one)[0]))
             except Exception as exc:
-                log.warning("%s: story %d unscorable: %r", self.name, index[k], exc)
+                self._unscorable(type(exc).__name__, f"story {index[k]}: {exc}")
                 errors.append(exc)
                 scores.append(math.nan)
         if len(errors) == len(texts):  # not bad input: the reward itself is broken

@@ -1,0 +1,94 @@
+"""CLIPScore (Hessel et al., 2021) over an image sequence, as the GROOViST
+paper uses it for stories: sentence *i* is paired with image *i*, each pair
+scores ``2.5 · max(cos, 0)`` (CLIP ViT-B/32, caption prefixed with
+"A photo depicts"), and the story score is the mean over the image sequence.
+
+Sentences come from storyrl's NLTK-compatible splitter. When the story has
+fewer sentences than images, the images without a sentence score 0 (a story
+cannot gain by saying less); sentences beyond the last image are ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from storyrl.rewards.clip_base import ClipReward
+
+WEIGHT = 2.5
+PREFIX = "A photo depicts"
+
+
+def clipscore_from_cosines(cosines: np.ndarray, n_images: int, w: float = WEIGHT) -> float:
+    """Story CLIPScore from the cosines of its (sentence i, image i) pairs."""
+    if n_images < 1:
+        return math.nan
+    return float(np.sum(w * np.maximum(np.asarray(cosines, dtype=np.float64), 0.0)) / n_images)
+
+
+def with_prefix(sentence: str, prefix: str | None) -> str:
+    # Hessel et al.'s reference joins prefix and caption with one space.
+    return f"{prefix.rstrip()} {sentence}" if prefix else sentence
+
+
+class CLIPScore(ClipReward):
+    """CLIPScore of a story against its image sequence (range [0, 2.5]).
+
+    Story context: ``images`` or ``image_ids`` as for ``groovist``.
+    ``prefix`` (default "A photo depicts"; None to disable) is put before
+    every sentence, as in Hessel et al.
+    """
+
+    name = "clipscore"
+    higher_is_better = True
+    value_range = (0.0, WEIGHT)
+
+    def __init__(self, prefix: str | None = PREFIX, **clip_options: Any) -> None:
+        super().__init__(**clip_options)
+        self.prefix = prefix
+
+    def config(self) -> dict[str, Any]:
+        return {"prefix": self.prefix, **super().config()}
+
+    def _score_batch(self, stories: list[str], images=None, image_ids=None, **_: Any) -> np.ndarray:
+        from storyrl.images import ImageError, WholeImage, sequence_regions
+        from storyrl.text import split_sentences
+
+        n = len(stories)
+        reasons: list[str | None] = [None] * n
+        story_regions: list[list | None] = [None] * n
+        sentences = [split_sentences(s) for s in stories]
+        for i in range(n):
+            if not sentences[i]:
+                reasons[i] = "no sentences"
+                continue
+            try:
+                seq, ids = self._story_images(i, images, image_ids)
+                story_regions[i] = sequence_regions(WholeImage(), seq, ids)
+            except ImageError as exc:
+                reasons[i] = f"images: {exc}"
+                continue
+            if not story_regions[i]:
+                reasons[i] = "no images"
+        region_embs = self._embed_regions(story_regions)
+        texts = {
+            i: [with_prefix(s, self.prefix) for s in sentences[i][: len(story_regions[i])]]
+            for i in range(n)
+            if story_regions[i]
+        }
+        unique = list(dict.fromkeys(t for ts in texts.values() for t in ts))
+        text_embs = self.embedder.embed_texts(unique)
+        row = {t: k for k, t in enumerate(unique)}
+        out = np.full(n, np.nan)
+        for i in range(n):
+            if reasons[i] is None and isinstance(region_embs[i], Exception):
+                reasons[i] = f"images: {region_embs[i]}"
+            if reasons[i] is not None:
+                out[i] = self._unscorable(reasons[i].split(":")[0], reasons[i])
+                continue
+            t = text_embs[[row[x] for x in texts[i]]].astype(np.float64)
+            cos = np.einsum("kd,kd->k", t, region_embs[i][: len(t)].astype(np.float64))
+            out[i] = clipscore_from_cosines(cos, len(story_regions[i]))
+        return out

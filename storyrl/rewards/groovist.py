@@ -1,0 +1,352 @@
+"""GROOViST (Surikuchi et al., 2023): visual grounding of a story's noun
+phrases in the regions of its image sequence.
+
+For every noun phrase (NP) of a story: its CLIP text embedding is compared
+with the embeddings of the top-B region crops of *every* image of the
+sequence, and the best cosine is kept (temporal misalignment is fine). Then,
+as the authors' implementation does (``shared/docs/reference-notes.md``)::
+
+    s = 2.5 * max_cos
+    s = s            if s >= theta
+        -(theta - s) otherwise          (penalty for poorly grounded NPs)
+    s = s * weight                      (concreteness of the NP's words)
+    GROOViST = mean over the story's NPs       (unbounded; tanh → [-1, 1])
+
+Quirks kept for parity: NPs are de-duplicated across the story and pronouns
+dropped before scoring; the concreteness weight is the mean 1–5 rating of the
+NP's words (1 when no word is rated), so scores are not bounded by 2.5.
+The paper's pseudo-code starts each NP's max at 0.0; the authors' code does
+not (a negative best cosine stays negative) — storyrl follows the code.
+A story whose scoring fails gets 0.0 in the authors' tool; storyrl returns
+NaN unless ``on_failure="zero"``.
+
+Ablations (paper Table 2/3): ``weighting="none"`` (−C), ``penalty=False``
+(−P), ``weighting="idf"`` (−C +idf; word idf from a story corpus, averaged
+over the NP's words), ``units="nouns"`` (−NPs +Ns).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from storyrl.rewards.clip_base import ClipReward
+
+#: θ per dataset: the mean NP score (2.5 · best cosine) over the dataset's
+#: stories with CLIP ViT-B/32 and detector regions (authors' thresholds.ini).
+THETA_PRESETS = {
+    "vist": 0.6159241924121119,
+    "aesop": 0.5949957337433985,
+    "vwp": 0.6193549522736276,
+    "custom": 0.5,
+}
+SCALE = 2.5
+UNITS = ("noun_phrases", "nouns")
+WEIGHTINGS = ("concreteness", "idf", "none")
+REGION_KINDS = ("table", "crops", "grid", "whole")
+
+
+def resolve_theta(theta: float | str) -> float:
+    """A number, or a preset name (vist, aesop, vwp, custom)."""
+    if isinstance(theta, str):
+        try:
+            return THETA_PRESETS[theta.lower()]
+        except KeyError:
+            raise ValueError(f"unknown theta preset {theta!r}; presets: {', '.join(THETA_PRESETS)}") from None
+    theta = float(theta)
+    if not math.isfinite(theta):
+        raise ValueError(f"theta must be finite, got {theta}")
+    return theta
+
+
+def groovist_phrase_scores(
+    max_cos: np.ndarray, weights: np.ndarray, theta: float, penalize: bool = True, scale: float = SCALE
+) -> np.ndarray:
+    """Per-NP scores from each NP's best cosine and its weight."""
+    s = scale * np.asarray(max_cos, dtype=np.float64)
+    if penalize:
+        s = np.where(s >= theta, s, -(theta - s))
+    return s * np.asarray(weights, dtype=np.float64)
+
+
+def groovist_score(
+    max_cos: np.ndarray, weights: np.ndarray, theta: float, penalize: bool = True, bounded: bool = False
+) -> float:
+    """GROOViST of one story from its NPs' best cosines and weights (NaN
+    without NPs)."""
+    scores = groovist_phrase_scores(max_cos, weights, theta, penalize)
+    if not len(scores):
+        return math.nan
+    value = float(scores.mean())
+    return math.tanh(value) if bounded else value
+
+
+@dataclass
+class PhraseScore:
+    """One NP of a story, for inspection (``--explain``)."""
+
+    phrase: str
+    weight: float
+    cosine: float
+    score: float
+    image_index: int
+    region: str
+
+
+@dataclass
+class StoryAnalysis:
+    score: float
+    phrases: list[PhraseScore]
+    reason: str | None = None  # why the story is unscorable
+
+    def to_json(self) -> dict[str, Any]:
+        return {"score": self.score, "reason": self.reason, "phrases": [asdict(p) for p in self.phrases]}
+
+
+class GROOViST(ClipReward):
+    """GROOViST as a reward (higher = better grounded).
+
+    Story context: ``images`` (paths or PIL images, one per position) or
+    ``image_ids`` (resolved against ``image_root``); optionally
+    ``noun_phrases`` (per story, the authors' NP file format) to skip spaCy.
+
+    Args (besides :class:`ClipReward`'s):
+        theta: θ as a number or preset name (vist, aesop, vwp, custom).
+        bounded: return tanh(score) in [-1, 1] instead of the raw score.
+        regions: "table" (detector region table cropped on the fly),
+            "crops" (the authors' crop files), "grid" (3×3 crops + whole
+            image), "whole"; default: table/crops when given, else grid.
+        region_table, crops_dir, top_b, grid: region source options.
+        spacy_pipeline: spaCy pipeline for noun chunks (authors:
+            en_core_web_trf; en_core_web_sm is faster).
+        units: "noun_phrases" or "nouns" (ablation).
+        weighting: "concreteness", "idf" (needs idf_corpus) or "none".
+        penalty: apply the θ penalty (False = −P ablation).
+        concreteness, pronouns: paths of the ratings / pronoun list (default:
+            storyrl's asset cache, see ``storyrl assets``).
+        idf_corpus: story set (JSON/JSONL) whose word document frequencies
+            give the idf weights.
+        on_failure: "nan" (default) or "zero" (the authors' 0.0) for a story
+            without NPs or usable regions.
+    """
+
+    name = "groovist"
+    higher_is_better = True
+
+    def __init__(
+        self,
+        theta: float | str = "vist",
+        bounded: bool = False,
+        regions: str | None = None,
+        region_table: str | None = None,
+        crops_dir: str | None = None,
+        top_b: int = 10,
+        grid: int = 3,
+        spacy_pipeline: str = "en_core_web_trf",
+        units: str = "noun_phrases",
+        weighting: str = "concreteness",
+        penalty: bool = True,
+        concreteness: str | None = None,
+        pronouns: str | None = None,
+        idf_corpus: str | None = None,
+        on_failure: str = "nan",
+        **clip_options: Any,
+    ) -> None:
+        super().__init__(**clip_options)
+        self.theta_setting = theta
+        self.theta = resolve_theta(theta)
+        self.bounded = bool(bounded)
+        self.value_range = (-1.0, 1.0) if self.bounded else (-math.inf, math.inf)
+        if regions is None:
+            regions = "table" if region_table else "crops" if crops_dir else "grid"
+        if regions not in REGION_KINDS:
+            raise ValueError(f"regions must be one of {REGION_KINDS}, got {regions!r}")
+        if units not in UNITS:
+            raise ValueError(f"units must be one of {UNITS}, got {units!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+        if weighting == "idf" and not idf_corpus:
+            raise ValueError("weighting='idf' needs idf_corpus (a story set to count word document frequencies in)")
+        if on_failure not in ("nan", "zero"):
+            raise ValueError(f"on_failure must be 'nan' or 'zero', got {on_failure!r}")
+        from storyrl.images import create_region_source
+
+        self.regions = regions
+        self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
+        self.region_source = create_region_source(regions, **self.region_options)
+        self.spacy_pipeline = spacy_pipeline
+        self.units = units
+        self.weighting = weighting
+        self.penalty = bool(penalty)
+        self.concreteness = concreteness
+        self.pronouns = pronouns
+        self.idf_corpus = idf_corpus
+        self.on_failure = on_failure
+        self._extractor = self._weights = self._pronoun_set = None
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "theta": self.theta_setting,
+            "bounded": self.bounded,
+            "regions": self.regions,
+            **self.region_options,
+            "spacy_pipeline": self.spacy_pipeline,
+            "units": self.units,
+            "weighting": self.weighting,
+            "penalty": self.penalty,
+            "concreteness": self.concreteness,
+            "pronouns": self.pronouns,
+            "idf_corpus": self.idf_corpus,
+            "on_failure": self.on_failure,
+            **super().config(),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spaCy pipelines and word tables are rebuilt on demand after unpickling.
+        state = dict(self.__dict__)
+        state["_extractor"] = state["_weights"] = state["_pronoun_set"] = None
+        return state
+
+    # -- lazily built text side ------------------------------------------------
+    @property
+    def extractor(self):
+        if self._extractor is None:
+            from storyrl.noun_phrases import PhraseExtractor
+
+            self._extractor = PhraseExtractor(self.spacy_pipeline, units=self.units)
+        return self._extractor
+
+    @property
+    def word_weights(self):
+        if self._weights is None:
+            from storyrl import word_weights
+
+            if self.weighting == "concreteness":
+                self._weights = word_weights.Concreteness.from_path(self.concreteness)
+            elif self.weighting == "idf":
+                self._weights = _load_idf(self.idf_corpus)
+            else:
+                self._weights = word_weights.NoWeights()
+        return self._weights
+
+    @property
+    def pronoun_set(self) -> frozenset[str]:
+        if self._pronoun_set is None:
+            from storyrl.noun_phrases import load_pronouns
+
+            self._pronoun_set = load_pronouns(self.pronouns)
+        return self._pronoun_set
+
+    # -- scoring -----------------------------------------------------------------
+    def analyse(
+        self, stories: list[str], images=None, image_ids=None, noun_phrases=None, **_: Any
+    ) -> list[StoryAnalysis]:
+        """Score stories and keep every NP's best cosine, weight, score and
+        best region. Unscorable stories carry a ``reason``."""
+        from storyrl.images import ImageError, sequence_regions
+        from storyrl.noun_phrases import scoring_phrases
+
+        n = len(stories)
+        raw = noun_phrases if noun_phrases is not None else self.extractor.extract(list(stories))
+        phrases = [scoring_phrases(list(p or ()), self.pronoun_set) for p in raw]
+        reasons: list[str | None] = [None] * n
+        story_regions: list[list | None] = [None] * n
+        for i in range(n):
+            if not phrases[i]:
+                reasons[i] = "no noun phrases"
+                continue
+            try:
+                seq, ids = self._story_images(i, images, image_ids)
+                story_regions[i] = sequence_regions(self.region_source, seq, ids)
+            except ImageError as exc:
+                reasons[i] = f"images: {exc}"
+                continue
+            if not story_regions[i]:
+                reasons[i] = "no regions"
+        region_embs = self._embed_regions(story_regions)
+        todo = [i for i in range(n) if reasons[i] is None]
+        unique = list(dict.fromkeys(p for i in todo for p in phrases[i]))
+        text_embs = self.embedder.embed_texts(unique)
+        row = {p: k for k, p in enumerate(unique)}
+
+        out = []
+        for i in range(n):
+            if reasons[i] is None and isinstance(region_embs[i], Exception):
+                reasons[i] = f"images: {region_embs[i]}"
+            if reasons[i] is not None:
+                out.append(StoryAnalysis(math.nan, [], reasons[i]))
+                continue
+            cos = text_embs[[row[p] for p in phrases[i]]].astype(np.float64) @ region_embs[i].T.astype(np.float64)
+            best = cos.argmax(axis=1)
+            max_cos = cos[np.arange(len(best)), best]
+            weights = np.asarray(self.word_weights.weights(phrases[i]), dtype=np.float64)
+            scores = groovist_phrase_scores(max_cos, weights, self.theta, self.penalty)
+            value = float(scores.mean())
+            regs = story_regions[i]
+            out.append(
+                StoryAnalysis(
+                    math.tanh(value) if self.bounded else value,
+                    [
+                        PhraseScore(p, float(w), float(c), float(s), regs[b].image_index, regs[b].label)
+                        for p, w, c, s, b in zip(phrases[i], weights, max_cos, scores, best)
+                    ],
+                )
+            )
+        return out
+
+    def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
+        scores = []
+        for result in self.analyse(stories, **context):
+            if result.reason is None:
+                scores.append(result.score)
+            else:
+                scores.append(self._unscorable(result.reason.split(":")[0], result.reason))
+                if self.on_failure == "zero":
+                    scores[-1] = 0.0
+        return np.asarray(scores, dtype=np.float64)
+
+    def explain(self, stories: list[str], **context: Any) -> list[dict[str, Any]]:
+        """Per-story score, reason and per-NP details as JSON-ready dicts."""
+        return [a.to_json() for a in self.analyse(list(stories), **context)]
+
+
+def calibrate_theta(reward: GROOViST, stories: list[str], batch_size: int = 64, **context: Any) -> dict[str, Any]:
+    """θ for a dataset as the authors define it: the mean NP score
+    (2.5 · best cosine, before penalty and weighting) over all scored NPs of
+    all stories. Returns ``{"theta", "n_phrases", "n_stories", "n_unscorable"}``."""
+    from storyrl.rewards.base import _take
+
+    total, n_phrases, n_bad = 0.0, 0, 0
+    n = len(stories)
+    for start in range(0, n, batch_size):
+        index = list(range(start, min(n, start + batch_size)))
+        sub = {k: _take(v, index, n) for k, v in context.items() if v is not None}
+        for result in reward.analyse([stories[i] for i in index], **sub):
+            if result.reason is not None:
+                n_bad += 1
+            for p in result.phrases:
+                total += SCALE * p.cosine
+                n_phrases += 1
+    if not n_phrases:
+        raise ValueError("no noun phrase could be scored: cannot calibrate theta")
+    return {"theta": total / n_phrases, "n_phrases": n_phrases, "n_stories": n, "n_unscorable": n_bad}
+
+
+def _load_idf(path: str):
+    """Idf weights from a saved table (``Idf.to_json``) or a story set."""
+    import json
+
+    from storyrl.data import load_stories
+    from storyrl.word_weights import Idf
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            head = json.load(fh)
+        if isinstance(head, dict) and "df" in head:
+            return Idf.from_json(path)
+    except (OSError, ValueError):
+        pass
+    return Idf.from_stories(r.story for r in load_stories(path))
