@@ -37,9 +37,76 @@ def _metric_list(value: str | None) -> list[str]:
     return [m.strip() for m in (value or "").split(",") if m.strip()]
 
 
+_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+_DIR = click.Path(exists=True, file_okay=False, path_type=Path)
+
+# Options of the image-based rewards; each reaches the rewards that accept it.
+_REWARD_OPTIONS = [
+    click.option("--image-root", type=_DIR, help="Directory that image paths and image ids are resolved against."),
+    click.option("--image-ids", "image_id_map", type=_FILE, help="JSON {story_id: [image ids]} for story sets without images."),
+    click.option("--regions", type=click.Choice(["table", "crops", "grid", "whole"]), help="Region source (groovist)."),
+    click.option("--region-table", type=_FILE, help="Region table CSV (image_id,bbox rows; top-B per image in file order)."),
+    click.option("--crops-dir", type=_DIR, help="Directory of precomputed crops named <image_id>_<bbox>.jpg."),
+    click.option("--top-b", type=click.IntRange(min=1), help="Regions per image (default 10)."),
+    click.option("--clip-model", help="open_clip model name, hf-hub:org/repo or local-dir:PATH (default ViT-B-32)."),
+    click.option("--clip-pretrained", help="open_clip pretrained tag or local checkpoint (default openai)."),
+    click.option("--device", help="cuda, cpu, ... (default: CUDA when available)."),
+    click.option("--precision", type=click.Choice(["auto", "fp32", "fp16", "bf16"])),
+    click.option("--theta", help="GROOViST θ: a number or vist, aesop, vwp, custom."),
+    click.option("--spacy-pipeline", help="spaCy pipeline for noun phrases (default en_core_web_trf)."),
+    click.option("--noun-phrases", "noun_phrase_map", type=_FILE, help="Precomputed NPs, JSON {story_id: [phrases]} (skips spaCy)."),
+    click.option("--concreteness", type=_FILE, help="Concreteness ratings file (default: storyrl asset cache)."),
+    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="On-disk region-embedding cache."),
+]
+
+
+def _reward_options(function):
+    for option in reversed(_REWARD_OPTIONS):
+        function = option(function)
+    return function
+
+
+def _option_values(kwargs: dict) -> tuple[dict, dict]:
+    """Split command kwargs into reward options and story-context files."""
+    context_files = {"image_ids": kwargs.pop("image_id_map"), "noun_phrases": kwargs.pop("noun_phrase_map")}
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items() if v is not None}
+    return options, context_files
+
+
+def _make_rewards(names: list[str], configs, options: dict) -> list:
+    from storyrl.rewards import accepted_options, create_reward, get_reward_class, load_reward_config
+
+    try:
+        rewards = [load_reward_config(c, overrides=options) for c in configs]
+        for name in names:
+            allowed = accepted_options(get_reward_class(name))
+            rewards.append(create_reward(name, **{k: v for k, v in options.items() if k in allowed}))
+    except (KeyError, TypeError, ValueError) as exc:
+        _fail(str(exc.args[0] if isinstance(exc, KeyError) else exc))
+    return rewards
+
+
+def _attach_context_files(records, files: dict) -> None:
+    """Fill records' image ids / noun phrases from ``--image-ids`` / ``--noun-phrases``."""
+    from storyrl.data import StoryDataError, load_id_lists
+
+    for key, path in files.items():
+        if path is None:
+            continue
+        try:
+            table = load_id_lists(path, "image ids" if key == "image_ids" else "phrases")
+        except StoryDataError as exc:
+            _fail(str(exc))
+        missing = [r.story_id for r in records if r.story_id not in table]
+        if missing:
+            _fail(f"{path}: no entry for story {missing[0]!r} ({len(missing)} stories missing)")
+        for r in records:
+            setattr(r, key, table[r.story_id])
+
+
 @main.command()
 @click.argument("stories", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--metrics", "-m", default="", help="Comma-separated reward names, e.g. repetition.")
+@click.option("--metrics", "-m", default="", help="Comma-separated reward names, e.g. repetition,groovist.")
 @click.option(
     "--config",
     "configs",
@@ -52,20 +119,24 @@ def _metric_list(value: str | None) -> list[str]:
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet) -> None:
+@click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
+@_reward_options
+def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, explain, **reward_kwargs) -> None:
     """Score the stories in STORIES (JSON {id: story} or JSONL records) and
     write OUT as CSV: story_id plus one column per metric (empty = unscorable).
-    Rows are written as they are scored; --resume continues an interrupted run."""
+    Rows are written as they are scored; --resume continues an interrupted run.
+    Image-based metrics (groovist, clipscore) read each record's images or
+    image_ids (or --image-ids)."""
     from storyrl.data import ScoreWriter, StoryDataError, load_stories, read_scores
-    from storyrl.rewards import create_reward, load_reward_config
 
     names = _metric_list(metrics)
     if not names and not configs:
         _fail("choose at least one metric (--metrics) or reward config (--config)")
-    try:
-        rewards = [load_reward_config(c) for c in configs] + [create_reward(n) for n in names]
-    except (KeyError, TypeError, ValueError) as exc:
-        _fail(str(exc.args[0] if isinstance(exc, KeyError) else exc))
+    options, context_files = _option_values(reward_kwargs)
+    rewards = _make_rewards(names, configs, options)
+    explainer = next((r for r in rewards if hasattr(r, "explain")), None)
+    if explain is not None and explainer is None:
+        _fail("--explain needs a metric with per-phrase details (groovist)")
     columns = [r.name for r in rewards]
     if len(set(columns)) != len(columns):
         _fail(f"a metric is requested twice: {columns}")
@@ -75,11 +146,13 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet) 
         _fail(f"{out} exists: use --resume to continue it or --overwrite to replace it")
     try:
         records = load_stories(stories)
+        _attach_context_files(records, context_files)
         out.parent.mkdir(parents=True, exist_ok=True)
         writer = ScoreWriter(out, columns, append=resume)
     except StoryDataError as exc:
         _fail(str(exc))
     todo = [r for r in records if r.story_id not in writer.done]
+    explain_file = explain.open("a" if resume else "w", encoding="utf-8") if explain is not None else None
     if writer.done:
         click.echo(f"resuming {out}: {len(records) - len(todo)} of {len(records)} stories already scored", err=True)
 
@@ -91,17 +164,26 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet) 
             context = _context(batch)
             texts = [r.story for r in batch]
             scores = {r.name: r.score(texts, **context) for r in rewards}
+            if explain_file is not None:
+                for record, details in zip(batch, explainer.explain(texts, **context)):
+                    explain_file.write(json.dumps({"story_id": record.story_id, **details}) + "\n")
+                explain_file.flush()
             writer.write([r.story_id for r in batch], scores)
             bar.update(len(batch))
+    if explain_file is not None:
+        explain_file.close()
 
     table = read_scores(out)
     _print_summary(table, columns)
+    for reward in rewards:
+        for reason, count in reward.stats["reasons"].most_common():
+            click.echo(f"{reward.name}: {count} unscorable: {reason}", err=True)
 
 
 def _context(batch) -> dict:
     """Per-story context columns that any record of the batch carries."""
     context = {}
-    for key in ("images", "image_ids", "reference"):
+    for key in ("images", "image_ids", "reference", "noun_phrases"):
         values = [getattr(r, key) for r in batch]
         if any(v is not None for v in values):
             context[key] = values
@@ -162,6 +244,79 @@ def dhm(human, model, metrics, per_story) -> None:
     if per_story is not None:
         write_scores(per_story, result.story_ids, result.per_story)
     click.echo(json.dumps(result.summary()))
+
+
+@main.command("groovist-calibrate")
+@click.argument("stories", type=_FILE)
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@_reward_options
+def groovist_calibrate(stories, batch_size, **reward_kwargs) -> None:
+    """θ for a dataset: the mean NP score (2.5 x best CLIP cosine) over all
+    noun phrases of the stories in STORIES (with their images). Prints JSON;
+    pass the value to --theta or a config's theta."""
+    from storyrl.data import StoryDataError, load_stories
+    from storyrl.rewards.groovist import calibrate_theta
+
+    options, context_files = _option_values(reward_kwargs)
+    (reward,) = _make_rewards(["groovist"], (), options)
+    try:
+        records = load_stories(stories)
+    except StoryDataError as exc:
+        _fail(str(exc))
+    _attach_context_files(records, context_files)
+    context = _context(records)
+    try:
+        result = calibrate_theta(reward, [r.story for r in records], batch_size=batch_size, **context)
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(result))
+
+
+@main.command()
+@click.argument("images", nargs=-1, type=_FILE)
+@click.option("--image-dir", type=_DIR, help="Detect regions in every image of this directory.")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Region table CSV to write (resumes if it exists).")
+@click.option("--weights", type=_FILE, help="Faster R-CNN weights (default: torchvision's cached COCO checkpoint).")
+@click.option("--top-b", default=10, show_default=True, type=click.IntRange(min=1))
+@click.option("--score-threshold", default=0.0, show_default=True, type=float)
+@click.option("--device", default=None)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def regions(images, image_dir, out, weights, top_b, score_threshold, device, quiet) -> None:
+    """Detect object regions with torchvision's Faster R-CNN and write a region
+    table (the authors' CSV: image_name,image_id,bbox,object,score) usable with
+    --region-table."""
+    from storyrl.images import IMAGE_EXTENSIONS, ImageError, detect_regions
+
+    paths = list(images)
+    if image_dir is not None:
+        paths += sorted(p for p in image_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
+    if not paths:
+        _fail("no images: pass image files or --image-dir")
+    try:
+        detect_regions(paths, out, weights=weights, top_b=top_b, score_threshold=score_threshold, device=device, progress=not quiet)
+    except (FileNotFoundError, ImageError) as exc:
+        _fail(str(exc))
+    click.echo(f"wrote {out}")
+
+
+@main.command()
+@click.argument("names", nargs=-1)
+@click.option("--dest", type=click.Path(file_okay=False, path_type=Path), help="Directory to put them in (default: storyrl's cache).")
+@click.option("--force", is_flag=True, help="Download again even when present.")
+def assets(names, dest, force) -> None:
+    """Download the data files storyrl cannot ship (concreteness ratings,
+    pronoun list) from their public sources, and say where they went."""
+    from storyrl.assets import ASSETS, download_assets
+
+    unknown = [n for n in names if n not in ASSETS]
+    if unknown:
+        _fail(f"unknown asset {unknown[0]!r}; available: {', '.join(ASSETS)}")
+    try:
+        paths = download_assets(list(names) or None, dest=dest, force=force)
+    except RuntimeError as exc:
+        _fail(str(exc))
+    for path in paths:
+        click.echo(str(path))
 
 
 if __name__ == "__main__":

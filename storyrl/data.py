@@ -32,6 +32,7 @@ __all__ = [
     "ScoreTable",
     "ScoreWriter",
     "load_stories",
+    "load_id_lists",
     "save_stories",
     "read_scores",
     "write_scores",
@@ -109,6 +110,21 @@ def load_stories(path: str | os.PathLike) -> list[StoryRecord]:
             raise StoryDataError(path, f"story must be a string, got {type(story).__name__}", repr(story_id))
         records.append(StoryRecord(story_id, story))
     return records
+
+
+def load_id_lists(path: str | os.PathLike, what: str = "list") -> dict[str, list[str]]:
+    """A JSON object ``{story_id: [strings]}``, e.g. a story → image ids map or
+    the authors' noun-phrase files. ``what`` names the lists in errors."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise StoryDataError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
+    if not isinstance(data, dict):
+        raise StoryDataError(path, f"expected a JSON object {{story_id: [{what}]}}, got {type(data).__name__}")
+    return {str(k): _string_list(v, path, repr(k), what) for k, v in data.items()}
 
 
 def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:

@@ -8,6 +8,7 @@ model-free reward never imports torch. Register your own with
 from __future__ import annotations
 
 import importlib
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from storyrl.rewards.base import Reward, completion_text
 
 __all__ = [
     "Reward",
+    "accepted_options",
     "completion_text",
     "create_reward",
     "get_reward_class",
@@ -59,6 +61,21 @@ def get_reward_class(name: str) -> type[Reward]:
     return entry
 
 
+def accepted_options(cls: type[Reward]) -> set[str]:
+    """Constructor options of a reward class, following ``**kwargs`` that are
+    passed on to base classes."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
 def create_reward(name: str, **config: Any) -> Reward:
     """Instantiate a registered reward with its configuration."""
     cls = get_reward_class(name)
@@ -68,8 +85,10 @@ def create_reward(name: str, **config: Any) -> Reward:
         raise TypeError(f"reward {name!r}: bad configuration {config}: {exc}") from exc
 
 
-def load_reward_config(path: str | Path) -> Reward:
-    """Create a reward from a YAML file: ``reward: <name>`` plus its options."""
+def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Reward:
+    """Create a reward from a YAML file: ``reward: <name>`` plus its options.
+    ``overrides`` (e.g. command-line options) replace file options the reward
+    accepts; others are ignored."""
     import yaml
 
     path = Path(path)
@@ -81,6 +100,9 @@ def load_reward_config(path: str | Path) -> Reward:
         raise ValueError(f"{path}: a reward config is a mapping with a 'reward: <name>' key")
     options = {k: v for k, v in data.items() if k != "reward"}
     try:
+        if overrides:
+            allowed = accepted_options(get_reward_class(data["reward"]))
+            options.update({k: v for k, v in overrides.items() if k in allowed})
         return create_reward(data["reward"], **options)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: {exc}") from exc

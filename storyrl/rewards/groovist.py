@@ -52,9 +52,11 @@ REGION_KINDS = ("table", "crops", "grid", "whole")
 def resolve_theta(theta: float | str) -> float:
     """A number, or a preset name (vist, aesop, vwp, custom)."""
     if isinstance(theta, str):
-        try:
+        if theta.lower() in THETA_PRESETS:
             return THETA_PRESETS[theta.lower()]
-        except KeyError:
+        try:
+            theta = float(theta)
+        except ValueError:
             raise ValueError(f"unknown theta preset {theta!r}; presets: {', '.join(THETA_PRESETS)}") from None
     theta = float(theta)
     if not math.isfinite(theta):
