@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Asset", "ASSETS", "cache_dir", "asset_path", "download_assets"]
+__all__ = ["ASSETS", "Asset", "asset_path", "cache_dir", "download_assets"]
 
 
 @dataclass(frozen=True)

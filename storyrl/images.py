@@ -604,6 +604,16 @@ def detect_regions(
         looked = "the weights file" if weights is not None else "torchvision's cached COCO checkpoint"
         raise FileNotFoundError(f"Faster R-CNN weights not found: looked for {looked} {weights_path}; {how}")
 
+    out_path = Path(out_csv)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _done_images(out_path)
+    todo = [p for p in paths if Path(p).stem not in done]
+    new_file = not out_path.exists() or out_path.stat().st_size == 0
+    if not todo:  # all done: do not pay for loading the model
+        if new_file:
+            out_path.write_text(",".join(DETECTION_CSV_COLUMNS) + "\n", encoding="utf-8")
+        return out_path
+
     import torch
     import torchvision  # noqa: F401  (storyrl's import hook makes this work without compiled ops)
     from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, fasterrcnn_resnet50_fpn
@@ -632,11 +642,6 @@ def detect_regions(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model.eval().to(device)
 
-    out_path = Path(out_csv)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_images(out_path)
-    todo = [p for p in paths if Path(p).stem not in done]
-    new_file = not out_path.exists() or out_path.stat().st_size == 0
     with (
         open(out_path, "a", newline="", encoding="utf-8") as f,
         tqdm(total=len(todo), file=sys.stderr, disable=not progress, unit="img", desc="detecting regions") as bar,

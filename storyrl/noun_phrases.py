@@ -30,16 +30,16 @@ from storyrl.assets import asset_path
 from storyrl.text import split_sentences
 
 __all__ = [
-    "PLACEHOLDERS",
     "DEFAULT_PIPELINE",
+    "PLACEHOLDERS",
     "UNITS",
-    "PipelineNotInstalled",
-    "replace_placeholders",
-    "load_pipeline",
-    "sentence_phrases",
-    "load_pronouns",
-    "scoring_phrases",
     "PhraseExtractor",
+    "PipelineNotInstalled",
+    "load_pipeline",
+    "load_pronouns",
+    "replace_placeholders",
+    "scoring_phrases",
+    "sentence_phrases",
 ]
 
 #: VIST anonymisation placeholders and what the authors replace them with
@@ -90,8 +90,7 @@ def load_pipeline(name: str = DEFAULT_PIPELINE):
         import spacy
     except ImportError as exc:
         raise PipelineNotInstalled(
-            f"spaCy pipeline {name!r} needs spaCy, which is not installed: "
-            f"pip install spacy, then {install}"
+            f"spaCy pipeline {name!r} needs spaCy, which is not installed: pip install spacy, then {install}"
         ) from exc
     try:
         # disable= tolerates names a pipeline does not have.
@@ -215,5 +214,5 @@ class PhraseExtractor:
         self._cache.update(parsed)
         if len(self._cache) > self.cache_size:
             # Keep the newest half: evicting in bulk keeps insertion O(1) amortised.
-            keep = self.cache_size // 2
+            keep = max(self.cache_size // 2, 1)
             self._cache = dict(islice(self._cache.items(), len(self._cache) - keep, None))

@@ -46,14 +46,14 @@ from storyrl.assets import asset_path
 from storyrl.text import word_tokenize
 
 __all__ = [
-    "PhraseWeights",
-    "load_concreteness",
-    "lemmatize_noun",
     "IRREGULAR_NOUNS",
     "NOUN_SUFFIX_RULES",
     "Concreteness",
     "Idf",
     "NoWeights",
+    "PhraseWeights",
+    "lemmatize_noun",
+    "load_concreteness",
 ]
 
 _PHRASE_CACHE_SIZE = 200_000  # phrases remembered per weighting object

@@ -178,7 +178,15 @@ class GROOViST(ClipReward):
 
         self.regions = regions
         self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
-        self.region_source = create_region_source(regions, **self.region_options)
+        if regions in ("grid", "whole") and (region_table or crops_dir):
+            raise ValueError(f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'")
+        per_kind = {
+            "table": ("region_table", "top_b"),
+            "crops": ("region_table", "crops_dir", "top_b"),
+            "grid": ("grid",),
+            "whole": (),
+        }
+        self.region_source = create_region_source(regions, **{k: self.region_options[k] for k in per_kind[regions]})
         self.spacy_pipeline = spacy_pipeline
         self.units = units
         self.weighting = weighting

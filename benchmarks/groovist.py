@@ -1,0 +1,282 @@
+"""Benchmark: GROOViST throughput on RL-shaped batches, storyrl vs the
+authors' per-story loop, same model and inputs, same run.
+
+What is measured
+----------------
+Inputs shaped like GRPO use: ``--sequences`` image sequences of ``--images``
+images, ``--regions`` region crops per image (the authors' crop files plus
+their region table), and ``--candidates`` candidate stories per sequence, given
+as noun-phrase lists (the authors' scorer also takes precomputed NPs; spaCy is
+not part of either timing). Candidates of one sequence draw their NPs from a
+shared pool, as samples of one prompt do.
+
+(a) storyrl: ``GROOViST(regions="crops").score(...)`` called once per reward
+    batch of ``--batch-sequences`` sequences x candidates stories, all batches
+    in turn (one "epoch"). Embedding caches are emptied before the run, so
+    every region and NP is embedded for real once; the figure includes image
+    decoding, the forward passes and the scoring.
+    A second figure ("epoch 2") scores the same batches again, as a second RL
+    epoch over the prompts does, with the caches the first epoch left.
+(b) reference: the authors' approach, written here from their description:
+    for every story, encode its NPs (full 77-token context) and, image by
+    image, load and preprocess its crop files and encode them, then take the
+    max cosine, penalty, weights and mean. Nothing is shared across stories.
+
+Both use the same open_clip model object and the same crops. Scores must agree
+within ``--tol`` (exit status 1 otherwise). The reference starts each NP's max
+at −inf rather than the authors' 0.0 so that random-weight models (whose
+cosines can all be negative) compare like with like; the timing is the same.
+The model is random-weight (hubs are unreachable): ``--model small`` (a
+~ViT-B/32-shaped model at reduced width and depth, for CPU) or
+``--model ViT-B-32`` (the authors' architecture).
+
+Usage::
+
+    python benchmarks/groovist.py [--model small|ViT-B-32] [--device cpu|cuda]
+        [--sequences 8] [--candidates 8] [--images 5] [--regions 10]
+        [--batch-sequences 2] [--threads N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data" / "groovist"
+TARGET = 10.0  # speed-up of storyrl over the per-story loop
+
+SMALL_CLIP = {
+    "embed_dim": 256,
+    "vision_cfg": {"image_size": 224, "patch_size": 32, "width": 384, "layers": 6, "head_width": 64},
+    "text_cfg": {"context_length": 77, "vocab_size": 49408, "width": 256, "heads": 4, "layers": 6},
+}
+WORDS = (
+    "dog cat church bride groom cake tree beach sky car street crowd stage band guitar flowers table "
+    "wedding festival bottle glass dress girl boy man woman house garden river boat bridge park lights"
+).split()
+ADJECTIVES = "the a big small old new red happy quiet long".split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small", help="'small' or an open_clip architecture name (random weights)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--candidates", type=int, default=8)
+    p.add_argument("--images", type=int, default=5)
+    p.add_argument("--regions", type=int, default=10)
+    p.add_argument("--nps", type=int, default=12, help="noun phrases per story")
+    p.add_argument("--batch-sequences", type=int, default=2, help="sequences per reward call")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--tol", type=float, default=1e-5)
+    p.add_argument("--json", type=Path)
+    return p.parse_args(argv)
+
+
+def build_inputs(root: Path, args, rng) -> dict:
+    """Images, region table, crop files and candidate NP lists."""
+    from PIL import Image
+
+    images_dir, crops_dir = root / "images", root / "crops"
+    images_dir.mkdir()
+    crops_dir.mkdir()
+    rows, sequences = [], []
+    for s in range(args.sequences):
+        ids = []
+        for k in range(args.images):
+            iid = f"seq{s}_{k}"
+            pixels = rng.integers(0, 256, size=(240, 320, 3), dtype=np.uint8)
+            img = Image.fromarray(pixels)
+            img.save(images_dir / f"{iid}.jpg", quality=90)
+            for _ in range(args.regions):
+                x1, y1 = rng.uniform(0, 200), rng.uniform(0, 140)
+                box = [x1, y1, x1 + rng.uniform(40, 120), y1 + rng.uniform(40, 100)]
+                bbox = "[" + ", ".join(repr(float(v)) for v in box) + "]"
+                img.crop(tuple(round(v) for v in box)).save(crops_dir / f"{iid}_{bbox}.jpg", quality=90)
+                rows.append((f"{iid}.jpg", iid, bbox))
+            ids.append(iid)
+        pool = [f"{rng.choice(ADJECTIVES)} {rng.choice(WORDS)}" for _ in range(2 * args.nps)]
+        stories = [list(rng.choice(pool, size=args.nps, replace=False)) for _ in range(args.candidates)]
+        sequences.append({"image_ids": ids, "stories": stories})
+    table = root / "regions.csv"
+    with table.open("w") as fh:
+        fh.write("image_name,image_id,bbox\n")
+        fh.writelines(f'{name},{iid},"{bbox}"\n' for name, iid, bbox in rows)
+    return {"sequences": sequences, "table": table, "crops_dir": crops_dir}
+
+
+def make_model(root: Path, name: str) -> str:
+    import open_clip
+    import torch
+
+    if name != "small":
+        cfg = open_clip.get_model_config(name)
+        if cfg is None:
+            raise SystemExit(f"unknown open_clip model {name!r}")
+    else:
+        cfg = SMALL_CLIP
+    torch.manual_seed(0)
+    model = open_clip.CLIP(**cfg)
+    out = root / "clip"
+    out.mkdir()
+    (out / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
+    torch.save(model.state_dict(), out / "open_clip_pytorch_model.bin")
+    return f"local-dir:{out}"
+
+
+def reference_scores(embedder, inputs, weights, pronouns, theta, top_b) -> list[float]:
+    """The authors' per-story loop (see module docs) on the embedder's model."""
+    import torch
+    from PIL import Image
+
+    from storyrl.noun_phrases import scoring_phrases
+
+    model, preprocess, tokenizer = embedder.model, embedder.preprocess, embedder.tokenizer
+    device, dtype = embedder.device, embedder.dtype
+    table: dict[str, list[str]] = {}
+    with open(inputs["table"]) as fh:
+        next(fh)
+        for line in fh:
+            _, iid, bbox = line.rstrip("\n").split(",", 2)
+            table.setdefault(iid, []).append(bbox.strip('"'))
+    scores = []
+    for seq in inputs["sequences"]:
+        for raw in seq["stories"]:
+            nps = scoring_phrases(raw, pronouns)
+            w = torch.tensor(weights.weights(nps), dtype=torch.float64)
+            with torch.no_grad():
+                t = torch.nn.functional.normalize(model.encode_text(tokenizer(nps).to(device)).float(), dim=-1)
+            align = torch.full((len(seq["image_ids"]), len(nps)), -torch.inf)
+            for idx, iid in enumerate(seq["image_ids"]):
+                crops = [
+                    preprocess(Image.open(inputs["crops_dir"] / f"{iid}_{bbox}.jpg").convert("RGB"))
+                    for bbox in table[iid][:top_b]
+                ]
+                with torch.no_grad():
+                    v = model.encode_image(torch.stack(crops).to(device, dtype))
+                    v = torch.nn.functional.normalize(v.float(), dim=-1)
+                align[idx] = (t @ v.T).max(dim=1).values.cpu()
+            s = 2.5 * align.max(dim=0).values.double()
+            s = torch.where(s >= theta, s, -(theta - s)) * w
+            scores.append(float(s.mean()))
+    return scores
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import storyrl  # noqa: F401  (torchvision fallback before open_clip on CPU-only torch)
+    import torch
+
+    from storyrl.models import ClipSpec, clip_embedder
+    from storyrl.noun_phrases import load_pronouns
+    from storyrl.rewards.groovist import GROOViST
+    from storyrl.word_weights import Concreteness, NoWeights
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        inputs = build_inputs(root, args, rng)
+        model_name = make_model(root, args.model)
+        have_shared = (SHARED / "concreteness_ratings.csv").is_file()
+        ratings = str(SHARED / "concreteness_ratings.csv") if have_shared else None
+        pron = str(SHARED / "all_pronouns.txt") if have_shared else None
+        reward = GROOViST(
+            theta="vist",
+            regions="crops",
+            region_table=str(inputs["table"]),
+            crops_dir=str(inputs["crops_dir"]),
+            top_b=args.regions,
+            weighting="concreteness" if have_shared else "none",
+            concreteness=ratings,
+            pronouns=pron,
+            clip_model=model_name,
+            clip_pretrained=None,
+            device=args.device,
+            precision=args.precision,
+        )
+        if not have_shared:  # no pronoun list available: drop nothing
+            reward._pronoun_set = frozenset()
+        embedder = clip_embedder(reward.spec, batch_size=reward.batch_size)
+        weights = Concreteness.from_path(ratings) if have_shared else NoWeights()
+        pronouns = load_pronouns(pron) if have_shared else frozenset()
+
+        seqs = inputs["sequences"]
+        batches = []
+        for start in range(0, len(seqs), args.batch_sequences):
+            group = seqs[start : start + args.batch_sequences]
+            stories, ids, nps = [], [], []
+            for seq in group:
+                for raw in seq["stories"]:
+                    stories.append(" ".join(raw))
+                    ids.append(seq["image_ids"])
+                    nps.append(raw)
+            batches.append((stories, ids, nps))
+        n_stories = sum(len(b[0]) for b in batches)
+
+        def run_storyrl() -> tuple[float, list[float]]:
+            start = time.perf_counter()
+            out = []
+            for stories, ids, nps in batches:
+                out.extend(reward.score(stories, image_ids=ids, noun_phrases=nps))
+            return time.perf_counter() - start, out
+
+        # Warm-up (model load, allocator, thread pools) on a throwaway input,
+        # then empty the caches so the timed epoch embeds everything for real.
+        reward.score([batches[0][0][0]], image_ids=[batches[0][1][0]], noun_phrases=[batches[0][2][0]])
+        reference_scores(embedder, {**inputs, "sequences": [{**seqs[0], "stories": seqs[0]["stories"][:1]}]},
+                         weights, pronouns, reward.theta, args.regions)
+        embedder.texts.clear()
+        embedder.regions.clear()
+        if torch.cuda.is_available() and args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t_cold, ours = run_storyrl()
+        t_warm, ours_again = run_storyrl()
+        peak = torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() and args.device.startswith("cuda") else None
+        start = time.perf_counter()
+        ref = reference_scores(embedder, inputs, weights, pronouns, reward.theta, args.regions)
+        t_ref = time.perf_counter() - start
+
+    diff = float(np.max(np.abs(np.asarray(ours) - np.asarray(ref))))
+    same = diff <= args.tol and np.allclose(ours, ours_again, atol=args.tol)
+    result = {
+        "model": args.model,
+        "device": args.device,
+        "precision": args.precision,
+        "torch_threads": torch.get_num_threads(),
+        "shape": {k: getattr(args, k) for k in ("sequences", "candidates", "images", "regions", "nps", "batch_sequences")},
+        "stories": n_stories,
+        "storyrl_stories_per_s": n_stories / t_cold,
+        "storyrl_epoch2_stories_per_s": n_stories / t_warm,
+        "reference_stories_per_s": n_stories / t_ref,
+        "speedup": t_ref / t_cold,
+        "speedup_epoch2": t_ref / t_warm,
+        "max_abs_diff": diff,
+        "peak_cuda_mib": peak,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    print(json.dumps(result, indent=2))
+    verdict = "PASS" if result["speedup"] >= TARGET else "FAIL"
+    print(f"speed-up {result['speedup']:.1f}x (epoch 2: {result['speedup_epoch2']:.1f}x), target >= {TARGET:.0f}x: {verdict}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    if not same:
+        print(f"MISMATCH: storyrl and reference differ by {diff:.3g} (tol {args.tol})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
