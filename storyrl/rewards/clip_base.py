@@ -70,12 +70,16 @@ class ClipReward(Reward):
             "cache_dir": self.cache_dir,
         }
 
-    def _story_images(self, i: int, images, image_ids) -> tuple[list, list[str] | None]:
-        """Story ``i``'s image sequence and its ids (raises ImageError)."""
+    def _story_images(self, i: int, images, image_ids, need_files: bool = True) -> tuple[list, list[str] | None]:
+        """Story ``i``'s image sequence and its ids (raises ImageError).
+        Without ``need_files`` (regions come from crop files named by image
+        id), ids alone are enough and stand in for the images."""
         from storyrl.images import resolve_images
 
         paths = images[i] if images is not None else None
         ids = image_ids[i] if image_ids is not None else None
+        if not need_files and ids is not None and paths is None:
+            return list(ids), ids
         return resolve_images(images=paths, image_ids=ids, image_root=self.image_root), ids
 
     def _embed_regions(self, story_regions: list) -> list:

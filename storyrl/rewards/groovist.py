@@ -269,7 +269,7 @@ class GROOViST(ClipReward):
                 reasons[i] = "no noun phrases"
                 continue
             try:
-                seq, ids = self._story_images(i, images, image_ids)
+                seq, ids = self._story_images(i, images, image_ids, need_files=self.regions != "crops")
                 story_regions[i] = sequence_regions(self.region_source, seq, ids)
             except ImageError as exc:
                 reasons[i] = f"images: {exc}"
