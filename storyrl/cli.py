@@ -249,8 +249,9 @@ def dhm(human, model, metrics, per_story) -> None:
 @main.command("groovist-calibrate")
 @click.argument("stories", type=_FILE)
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_reward_options
-def groovist_calibrate(stories, batch_size, **reward_kwargs) -> None:
+def groovist_calibrate(stories, batch_size, quiet, **reward_kwargs) -> None:
     """θ for a dataset: the mean NP score (2.5 x best CLIP cosine) over all
     noun phrases of the stories in STORIES (with their images). Prints JSON;
     pass the value to --theta or a config's theta."""
@@ -265,8 +266,12 @@ def groovist_calibrate(stories, batch_size, **reward_kwargs) -> None:
         _fail(str(exc))
     _attach_context_files(records, context_files)
     context = _context(records)
+    from tqdm import tqdm
+
     try:
-        result = calibrate_theta(reward, [r.story for r in records], batch_size=batch_size, **context)
+        with tqdm(total=len(records), unit="story", disable=quiet, file=sys.stderr) as bar:
+            texts = [r.story for r in records]
+            result = calibrate_theta(reward, texts, batch_size=batch_size, progress=bar.update, **context)
     except ValueError as exc:
         _fail(str(exc))
     click.echo(json.dumps(result))
@@ -285,7 +290,7 @@ def regions(images, image_dir, out, weights, top_b, score_threshold, device, qui
     """Detect object regions with torchvision's Faster R-CNN and write a region
     table (the authors' CSV: image_name,image_id,bbox,object,score) usable with
     --region-table."""
-    from storyrl.images import IMAGE_EXTENSIONS, ImageError, detect_regions
+    from storyrl.images import IMAGE_EXTENSIONS, detect_regions
 
     paths = list(images)
     if image_dir is not None:
@@ -294,7 +299,7 @@ def regions(images, image_dir, out, weights, top_b, score_threshold, device, qui
         _fail("no images: pass image files or --image-dir")
     try:
         detect_regions(paths, out, weights=weights, top_b=top_b, score_threshold=score_threshold, device=device, progress=not quiet)
-    except (FileNotFoundError, ImageError) as exc:
+    except (FileNotFoundError, ValueError) as exc:  # ImageError is a ValueError
         _fail(str(exc))
     click.echo(f"wrote {out}")
 

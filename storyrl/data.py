@@ -5,7 +5,8 @@ Formats
 * Story set, JSON object ``{story_id: story}`` (the authors' tools and
   ``shared/data/dhm``).
 * Story set, JSONL: one record per line with ``story_id`` and ``story`` and
-  optionally ``images`` (paths), ``image_ids`` and ``reference`` (human story).
+  optionally ``images`` (paths), ``image_ids``, ``reference`` (human story) and
+  ``noun_phrases`` (precomputed, for GROOViST).
 * Score table, CSV: ``story_id`` plus one column per metric; an empty cell (or
   ``nan``) means unscorable.
 * VIST story-in-sequence annotations and the VWP test split (loaders below).
@@ -58,6 +59,7 @@ class StoryRecord:
     images: list[str] | None = None
     image_ids: list[str] | None = None
     reference: str | None = None
+    noun_phrases: list[str] | None = None  # precomputed (the authors' NP files), skips spaCy
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -162,6 +164,7 @@ def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:
                 obj["story"],
                 images=_string_list(obj.get("images"), path, where, "images"),
                 image_ids=_string_list(obj.get("image_ids"), path, where, "image_ids"),
+                noun_phrases=_string_list(obj.get("noun_phrases"), path, where, "noun_phrases"),
                 reference=reference,
             )
         )

@@ -323,10 +323,13 @@ class GROOViST(ClipReward):
         return [a.to_json() for a in self.analyse(list(stories), **context)]
 
 
-def calibrate_theta(reward: GROOViST, stories: list[str], batch_size: int = 64, **context: Any) -> dict[str, Any]:
+def calibrate_theta(
+    reward: GROOViST, stories: list[str], batch_size: int = 64, progress=None, **context: Any
+) -> dict[str, Any]:
     """θ for a dataset as the authors define it: the mean NP score
     (2.5 · best cosine, before penalty and weighting) over all scored NPs of
-    all stories. Returns ``{"theta", "n_phrases", "n_stories", "n_unscorable"}``."""
+    all stories. ``progress(n)`` is called after each batch of n stories.
+    Returns ``{"theta", "n_phrases", "n_stories", "n_unscorable"}``."""
     from storyrl.rewards.base import _take
 
     total, n_phrases, n_bad = 0.0, 0, 0
@@ -340,6 +343,8 @@ def calibrate_theta(reward: GROOViST, stories: list[str], batch_size: int = 64, 
             for p in result.phrases:
                 total += SCALE * p.cosine
                 n_phrases += 1
+        if progress is not None:
+            progress(len(index))
     if not n_phrases:
         raise ValueError("no noun phrase could be scored: cannot calibrate theta")
     return {"theta": total / n_phrases, "n_phrases": n_phrases, "n_stories": n, "n_unscorable": n_bad}
