@@ -82,6 +82,30 @@ class ClipReward(Reward):
             return list(ids), ids
         return resolve_images(images=paths, image_ids=ids, image_root=self.image_root), ids
 
+    def _embedded_regions(self, reasons: list, images, image_ids, source, need_files: bool = True):
+        """Regions and their embeddings for every story whose ``reasons`` entry
+        is None; a story whose images cannot be used gets a reason instead.
+        Returns ``(regions per story, embeddings per story)``."""
+        from storyrl.images import ImageError, sequence_regions
+
+        story_regions: list = [None] * len(reasons)
+        for i, reason in enumerate(reasons):
+            if reason is not None:
+                continue
+            try:
+                seq, ids = self._story_images(i, images, image_ids, need_files)
+                story_regions[i] = sequence_regions(source, seq, ids)
+            except ImageError as exc:
+                reasons[i] = f"images: {exc}"
+                continue
+            if not story_regions[i]:
+                reasons[i] = "no images or regions"
+        embeddings = self._embed_regions(story_regions)
+        for i, emb in enumerate(embeddings):
+            if isinstance(emb, Exception):
+                reasons[i], story_regions[i] = f"images: {emb}", None
+        return story_regions, embeddings
+
     def _embed_regions(self, story_regions: list) -> list:
         """Embeddings per story for lists of regions (None entries stay None).
         All regions are embedded in one batched pass; if an image turns out to

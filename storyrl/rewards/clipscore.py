@@ -53,38 +53,22 @@ class CLIPScore(ClipReward):
         return {"prefix": self.prefix, **super().config()}
 
     def _score_batch(self, stories: list[str], images=None, image_ids=None, **_: Any) -> np.ndarray:
-        from storyrl.images import ImageError, WholeImage, sequence_regions
+        from storyrl.images import WholeImage
         from storyrl.text import split_sentences
 
-        n = len(stories)
-        reasons: list[str | None] = [None] * n
-        story_regions: list[list | None] = [None] * n
         sentences = [split_sentences(s) for s in stories]
-        for i in range(n):
-            if not sentences[i]:
-                reasons[i] = "no sentences"
-                continue
-            try:
-                seq, ids = self._story_images(i, images, image_ids)
-                story_regions[i] = sequence_regions(WholeImage(), seq, ids)
-            except ImageError as exc:
-                reasons[i] = f"images: {exc}"
-                continue
-            if not story_regions[i]:
-                reasons[i] = "no images"
-        region_embs = self._embed_regions(story_regions)
+        reasons: list[str | None] = [None if s else "no sentences" for s in sentences]
+        story_regions, region_embs = self._embedded_regions(reasons, images, image_ids, WholeImage())
         texts = {
             i: [with_prefix(s, self.prefix) for s in sentences[i][: len(story_regions[i])]]
-            for i in range(n)
-            if story_regions[i]
+            for i in range(len(stories))
+            if reasons[i] is None
         }
         unique = list(dict.fromkeys(t for ts in texts.values() for t in ts))
         text_embs = self.embedder.embed_texts(unique)
         row = {t: k for k, t in enumerate(unique)}
-        out = np.full(n, np.nan)
-        for i in range(n):
-            if reasons[i] is None and isinstance(region_embs[i], Exception):
-                reasons[i] = f"images: {region_embs[i]}"
+        out = np.full(len(stories), np.nan)
+        for i in range(len(stories)):
             if reasons[i] is not None:
                 out[i] = self._unscorable(reasons[i].split(":")[0], reasons[i])
                 continue

@@ -256,27 +256,15 @@ class GROOViST(ClipReward):
     ) -> list[StoryAnalysis]:
         """Score stories and keep every NP's best cosine, weight, score and
         best region. Unscorable stories carry a ``reason``."""
-        from storyrl.images import ImageError, sequence_regions
         from storyrl.noun_phrases import scoring_phrases
 
         n = len(stories)
         raw = noun_phrases if noun_phrases is not None else self.extractor.extract(list(stories))
         phrases = [scoring_phrases(list(p or ()), self.pronoun_set) for p in raw]
-        reasons: list[str | None] = [None] * n
-        story_regions: list[list | None] = [None] * n
-        for i in range(n):
-            if not phrases[i]:
-                reasons[i] = "no noun phrases"
-                continue
-            try:
-                seq, ids = self._story_images(i, images, image_ids, need_files=self.regions != "crops")
-                story_regions[i] = sequence_regions(self.region_source, seq, ids)
-            except ImageError as exc:
-                reasons[i] = f"images: {exc}"
-                continue
-            if not story_regions[i]:
-                reasons[i] = "no regions"
-        region_embs = self._embed_regions(story_regions)
+        reasons: list[str | None] = [None if p else "no noun phrases" for p in phrases]
+        story_regions, region_embs = self._embedded_regions(
+            reasons, images, image_ids, self.region_source, need_files=self.regions != "crops"
+        )
         todo = [i for i in range(n) if reasons[i] is None]
         unique = list(dict.fromkeys(p for i in todo for p in phrases[i]))
         text_embs = self.embedder.embed_texts(unique)
@@ -284,8 +272,6 @@ class GROOViST(ClipReward):
 
         out = []
         for i in range(n):
-            if reasons[i] is None and isinstance(region_embs[i], Exception):
-                reasons[i] = f"images: {region_embs[i]}"
             if reasons[i] is not None:
                 out.append(StoryAnalysis(math.nan, [], reasons[i]))
                 continue
