@@ -277,6 +277,7 @@ def clip_embedder(spec: ClipSpec, batch_size: int = 64) -> ClipEmbedder:
         embedder = _EMBEDDERS.get(spec)
         if embedder is None:
             embedder = _EMBEDDERS[spec] = ClipEmbedder(spec, batch_size=batch_size)
+        embedder.batch_size = batch_size  # a speed setting: the latest caller's applies
         return embedder
 
 

@@ -33,20 +33,24 @@ class OriginalVsRandom:
         return self.original - self.random_max
 
     def summary(self) -> dict[str, Any]:
-        d = self.deltas[np.isfinite(self.deltas)]
-        if not len(d):
-            return {"n": 0, "k": self.k, "delta_mean": math.nan}
-        q = np.quantile(d, [0.05, 0.25, 0.5, 0.75, 0.95])
+        """Means, spread and quantiles over the sequences with a finite Δ."""
+        keep = np.isfinite(self.deltas)
+        d = self.deltas[keep]
+        nan = math.nan
         return {
             "n": int(len(d)),
             "k": self.k,
             "n_excluded": int(len(self.deltas) - len(d)),
-            "delta_mean": float(d.mean()),
-            "delta_std": float(d.std(ddof=1)) if len(d) > 1 else 0.0,
-            "delta_quantiles": dict(zip(("p05", "p25", "p50", "p75", "p95"), map(float, q))),
-            "frac_original_higher": float((d > 0).mean()),
-            "original_mean": float(np.nanmean(self.original)),
-            "random_max_mean": float(np.nanmean(self.random_max)),
+            "delta_mean": float(d.mean()) if len(d) else nan,
+            "delta_std": float(d.std(ddof=1)) if len(d) > 1 else nan,
+            "delta_quantiles": dict(
+                zip(("p05", "p25", "p50", "p75", "p95"), map(float, np.quantile(d, [0.05, 0.25, 0.5, 0.75, 0.95])))
+            )
+            if len(d)
+            else {},
+            "frac_original_higher": float((d > 0).mean()) if len(d) else nan,
+            "original_mean": float(self.original[keep].mean()) if len(d) else nan,
+            "random_max_mean": float(self.random_max[keep].mean()) if len(d) else nan,
         }
 
 
@@ -69,6 +73,8 @@ def original_vs_random(
     n = len(stories)
     if n < 2:
         raise ValueError("criterion 1 needs at least 2 stories")
+    if k < 1 or batch_size < 1:
+        raise ValueError(f"k and batch_size must be >= 1, got k={k}, batch_size={batch_size}")
     k = min(k, n - 1)
     rng = np.random.default_rng(seed)
     partners = []
