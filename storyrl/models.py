@@ -10,7 +10,6 @@ Models load once per process: every reward asking for the same CLIP
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import sqlite3
 import threading
@@ -23,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger(__name__)
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 
@@ -113,13 +111,6 @@ class DiskEmbeddingCache:
                 "INSERT OR REPLACE INTO emb VALUES (?, ?)",
                 [(self._key(k), np.asarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
             )
-
-    def __getstate__(self):
-        return {"path": self.path, "model_key": self.model_key}
-
-    def __setstate__(self, state):
-        self.path, self.model_key = state["path"], state["model_key"]
-        self._local = threading.local()
 
 
 @dataclass(frozen=True)

@@ -28,3 +28,19 @@ def shared_path(*parts: str) -> Path:
 
 def load_story_json(*parts: str) -> dict[str, str]:
     return json.loads(shared_path(*parts).read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory):
+    """A tiny random-weight CLIP as an open_clip ``local-dir:`` model name."""
+    from clip_fixtures import make_tiny_clip
+
+    return make_tiny_clip(tmp_path_factory.mktemp("clip"))
+
+
+@pytest.fixture(scope="session")
+def images(tmp_path_factory):
+    """Paths of 3 small distinct test images."""
+    from clip_fixtures import make_images
+
+    return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]

@@ -9,7 +9,6 @@ import pickle
 
 import numpy as np
 import pytest
-from clip_fixtures import make_images, make_tiny_clip
 from conftest import shared_path
 
 import storyrl  # noqa: F401  (torchvision fallback before open_clip)
@@ -18,16 +17,6 @@ from storyrl.rewards.clipscore import PREFIX, WEIGHT, clipscore_from_cosines, wi
 from storyrl.text import split_sentences
 
 STORY = "A dog runs. The sky is blue. A car."
-
-
-@pytest.fixture(scope="session")
-def tiny_clip(tmp_path_factory):
-    return make_tiny_clip(tmp_path_factory.mktemp("clip"))
-
-
-@pytest.fixture(scope="session")
-def images(tmp_path_factory):
-    return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]
 
 
 @pytest.fixture(scope="session")

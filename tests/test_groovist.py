@@ -9,7 +9,6 @@ import pickle
 
 import numpy as np
 import pytest
-from clip_fixtures import make_images, make_tiny_clip
 from conftest import shared_path
 
 import storyrl  # noqa: F401  (torchvision fallback before open_clip)
@@ -21,16 +20,6 @@ from storyrl.rewards.groovist import (
     groovist_score,
     resolve_theta,
 )
-
-
-@pytest.fixture(scope="session")
-def tiny_clip(tmp_path_factory):
-    return make_tiny_clip(tmp_path_factory.mktemp("clip"))
-
-
-@pytest.fixture(scope="session")
-def images(tmp_path_factory):
-    return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-from clip_fixtures import make_images, make_tiny_clip
 from conftest import shared_path
 
 import storyrl  # noqa: F401  (torchvision fallback before open_clip)
@@ -231,16 +230,6 @@ def test_fewer_than_two_stories_raises(n):
 
 
 # -- end to end with groovist ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def tiny_clip(tmp_path_factory):
-    return make_tiny_clip(tmp_path_factory.mktemp("clip"))
-
-
-@pytest.fixture(scope="session")
-def images(tmp_path_factory):
-    return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]
 
 
 def test_end_to_end_with_groovist(tiny_clip, images):
