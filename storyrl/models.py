@@ -1,8 +1,8 @@
 """Model loading, devices, precision and embedding caches shared by the
 model-based rewards.
 
-Models load once per process: every reward asking for the same CLIP
-(model, pretrained tag, device, precision) gets the same
+Models load once per process (:func:`shared_model`): every reward asking for
+the same CLIP (model, pretrained tag, device, precision) gets the same
 :class:`ClipEmbedder`, and with it the same in-memory embedding caches, so
 ``groovist`` and ``clipscore`` in one run embed a shared image once.
 """
@@ -258,21 +258,27 @@ def _encode_text_trimmed(model, tokens):
     return x
 
 
-_EMBEDDERS: dict[ClipSpec, ClipEmbedder] = {}
-_EMBEDDERS_LOCK = threading.Lock()
+_SHARED: dict[Hashable, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_model(key: Hashable, load: Callable[[], Any]) -> Any:
+    """The process-wide object for ``key``, created by ``load()`` on first use:
+    every reward asking for the same model gets the same instance."""
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = load()
+        return _SHARED[key]
 
 
 def clip_embedder(spec: ClipSpec, batch_size: int = 64) -> ClipEmbedder:
     """The process-wide :class:`ClipEmbedder` for ``spec`` (loaded on first use)."""
-    with _EMBEDDERS_LOCK:
-        embedder = _EMBEDDERS.get(spec)
-        if embedder is None:
-            embedder = _EMBEDDERS[spec] = ClipEmbedder(spec, batch_size=batch_size)
-        embedder.batch_size = batch_size  # a speed setting: the latest caller's applies
-        return embedder
+    embedder = shared_model(("clip", spec), lambda: ClipEmbedder(spec, batch_size=batch_size))
+    embedder.batch_size = batch_size  # a speed setting: the latest caller's applies
+    return embedder
 
 
 def release_models() -> None:
     """Forget every loaded model and its caches (frees memory)."""
-    with _EMBEDDERS_LOCK:
-        _EMBEDDERS.clear()
+    with _SHARED_LOCK:
+        _SHARED.clear()

@@ -29,6 +29,8 @@ _REGISTRY: dict[str, type[Reward] | str] = {
     "repetition": "storyrl.rewards.repetition:Repetition",
     "groovist": "storyrl.rewards.groovist:GROOViST",
     "clipscore": "storyrl.rewards.clipscore:CLIPScore",
+    "coherence": "storyrl.rewards.coherence:Coherence",
+    "rovist_vg": "storyrl.rewards.rovist_vg:RovistVG",
 }
 
 

@@ -69,6 +69,10 @@ class Reward:
     def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
         raise NotImplementedError
 
+    def _setup(self) -> None:
+        """Load models etc. before scoring. Errors here are the reward's, not
+        a story's: they propagate instead of making stories NaN."""
+
     def _unscorable(self, reason: str, detail: str = "") -> float:
         """Record why a story gets NaN (counted in ``stats["reasons"]``, the
         first occurrences of each reason logged) and return NaN."""
@@ -91,6 +95,7 @@ class Reward:
         if valid:
             sub = {k: _take(v, valid, len(stories)) for k, v in context.items()}
             texts = [stories[i] for i in valid]
+            self._setup()
             try:
                 out[valid] = self._score_batch(texts, **sub)
             except Exception as exc:  # isolate the story that breaks the batch

@@ -50,6 +50,9 @@ class ClipReward(Reward):
         self.batch_size = batch_size
         self.cache_dir = cache_dir
 
+    def _setup(self) -> None:
+        self.embedder  # noqa: B018  (loads the model: a failure is not a story's)
+
     @property
     def embedder(self):
         """The process-wide CLIP embedder (loads the model on first use)."""

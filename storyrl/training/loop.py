@@ -1,0 +1,420 @@
+"""A small, generic supervised training loop for the learned metrics.
+
+Both RoViST-C (sentence-order prediction) and RoViST-VG train a model with
+Adam + an exponential per-epoch lr decay + early stopping on validation loss
+(RoViST paper, App. B). :func:`fit` does that with accelerate, so the same code
+runs on CPU, one GPU, or several GPUs under ``accelerate launch``.
+
+Output directory layout::
+
+    history.jsonl   one JSON record per epoch
+    best/           save_fn's output for the epoch with the lowest val loss
+    last/           accelerate checkpoint + trainer_state.json (resume)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate imports it)
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+
+from storyrl.training.config import TrainConfig
+
+__all__ = ["FitResult", "fit", "StepFn", "SaveFn", "TRAINER_STATE"]
+
+logger = logging.getLogger(__name__)
+
+StepFn = Callable[[torch.nn.Module, Any], "tuple[torch.Tensor, Mapping[str, float]]"]
+SaveFn = Callable[[torch.nn.Module, Path], None]
+
+TRAINER_STATE = "trainer_state.json"
+# Settings that may legitimately change when resuming (train longer, stop
+# sooner, different logging); anything else differing gets a warning.
+_RESUME_MAY_CHANGE = {"epochs", "max_steps", "patience", "log_every", "num_workers", "output_dir"}
+
+
+@dataclass
+class FitResult:
+    best_epoch: int  # 1-based; 0 when no epoch produced a finite val loss
+    best_val_loss: float
+    epochs_run: int  # epochs completed in total, including those before a resume
+    stopped_early: bool
+    history: list[dict] = field(default_factory=list)
+
+
+class _EpochShuffleSampler(Sampler[int]):
+    """A permutation drawn from a generator seeded with ``seed + epoch``: the
+    order of every epoch is fixed by the config alone, so a resumed run sees
+    the same batches as an uninterrupted one (and all processes agree)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = n, seed, 0
+        # Not named `generator`: accelerate would try to synchronise it.
+        self._gen = torch.Generator()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self._gen.manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.n, generator=self._gen).tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _CountingCollate:
+    """Collate that also returns the number of examples, so epoch losses are
+    exact per-example means whatever the batch structure is. A class (not a
+    closure) so DataLoader workers can pickle it."""
+
+    def __init__(self, collate_fn: Callable | None) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: list) -> tuple[int, Any]:
+        if self.collate_fn is None:
+            from torch.utils.data import default_collate
+
+            return len(items), default_collate(items)
+        return len(items), self.collate_fn(items)
+
+
+def _default_save(model: torch.nn.Module, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), directory / "model.pt")
+
+
+def _to_float(value: Any) -> float:
+    if isinstance(value, torch.Tensor):
+        return float(value.detach().float().sum().item())
+    return float(value)
+
+
+class _Totals:
+    """Sums of (loss * n), n and the step_fn metrics over one epoch."""
+
+    def __init__(self) -> None:
+        self.loss = 0.0
+        self.n = 0
+        self.metrics: dict[str, float] = {}
+
+    def add(self, loss: torch.Tensor, n: int, metrics: Mapping[str, Any]) -> None:
+        self.loss += float(loss.detach().float().item()) * n
+        self.n += n
+        for key, value in (metrics or {}).items():
+            self.metrics[key] = self.metrics.get(key, 0.0) + _to_float(value)
+
+    def reduce(self, accelerator, keys: list[str]) -> tuple[float, float, dict[str, float]]:
+        """Sum over processes. ``keys`` (all metric names, same order on every
+        process) keeps the collective shapes identical even if a process saw
+        no batch."""
+        values = [self.loss, float(self.n)] + [self.metrics.get(k, 0.0) for k in keys]
+        t = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+        if accelerator.num_processes > 1:
+            t = accelerator.reduce(t, reduction="sum")
+        loss, n, *rest = t.tolist()
+        return loss, n, dict(zip(keys, rest))
+
+
+def _summarise(prefix: str, loss_sum: float, n: float, metrics: dict[str, float]) -> dict[str, float]:
+    """``{prefix}_loss`` (per-example mean), ``{prefix}_acc`` for every
+    ``correct``/``n`` pair (also ``x_correct``/``x_n`` → ``x_acc``), and the
+    other metric sums as they are."""
+    out = {f"{prefix}_loss": loss_sum / n if n else math.nan}
+    used: set[str] = set()
+    for key in sorted(metrics):
+        stem = key[: -len("correct")] if key.endswith("correct") else None
+        if stem is None or (stem and not stem.endswith("_")):
+            continue
+        n_key = f"{stem}n"
+        if n_key in metrics:
+            denom = metrics[n_key]
+            out[f"{prefix}_{stem}acc"] = metrics[key] / denom if denom else math.nan
+            used |= {key, n_key}
+    for key, value in metrics.items():
+        if key not in used:
+            out[f"{prefix}_{key}"] = value
+    return out
+
+
+def _metric_keys(accelerator, local: Mapping[str, float]) -> list[str]:
+    """The union of metric names over processes, in one order."""
+    keys = set(local)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        for part in gather_object([sorted(keys)]):
+            keys |= set(part)
+    return sorted(keys)
+
+
+def _swap_in(tmp: Path, final: Path) -> None:
+    """Replace directory ``final`` by ``tmp`` so that a crash at any point
+    leaves either the old or the new one (``final``.old) intact."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def _find_checkpoint(output_dir: Path) -> Path | None:
+    for candidate in (output_dir / "last", output_dir / "last.old"):  # .old: crash mid-swap
+        if (candidate / TRAINER_STATE).is_file():
+            return candidate
+    return None
+
+
+def _write_history(path: Path, history: list[dict]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for record in history:
+            f.write(json.dumps(record) + "\n")
+
+
+def fit(
+    model: torch.nn.Module,
+    train_dataset: Dataset,
+    val_dataset: Dataset,
+    config: TrainConfig,
+    step_fn: StepFn,
+    *,
+    collate_fn: Callable | None = None,
+    save_fn: SaveFn | None = None,
+    resume: bool = False,
+    progress: bool = True,
+) -> FitResult:
+    """Train ``model`` on ``train_dataset``, validating on ``val_dataset`` after
+    every epoch.
+
+    ``step_fn(model, batch) -> (loss, metrics)`` is called with the model in
+    train mode (gradients on) and in eval mode under ``torch.no_grad()``;
+    ``loss`` is the batch mean, ``metrics`` (e.g. ``{"correct": k, "n": m}``)
+    are summed over the epoch. ``save_fn(unwrapped_model, output_dir/"best")``
+    runs (main process) whenever the validation loss improves; by default it
+    writes ``best/model.pt`` (a state dict). ``resume=True`` continues from
+    ``output_dir/last`` at the next epoch.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import send_to_device, set_seed
+    from tqdm.auto import tqdm
+
+    if len(train_dataset) == 0:
+        raise ValueError("fit: the training set is empty")
+    if len(val_dataset) == 0:
+        raise ValueError("fit: the validation set is empty (early stopping needs a validation loss)")
+    save_fn = save_fn or _default_save
+    output_dir = Path(config.output_dir)
+
+    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    main = accelerator.is_main_process
+    show = progress and accelerator.is_local_main_process
+
+    checkpoint = None
+    if resume:
+        checkpoint = _find_checkpoint(output_dir)
+        if checkpoint is None:
+            raise FileNotFoundError(
+                f"resume=True but there is no checkpoint to resume from in {output_dir} "
+                f"(expected {output_dir / 'last' / TRAINER_STATE})"
+            )
+    elif main and (output_dir / "last").exists():
+        logger.warning("%s already holds a checkpoint; starting afresh and overwriting it", output_dir)
+    if main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+
+    set_seed(config.seed)
+    collate = _CountingCollate(collate_fn)
+    sampler = _EpochShuffleSampler(len(train_dataset), config.seed)
+    train_loader = DataLoader(
+        train_dataset,
+        batch_size=config.batch_size,
+        sampler=sampler,
+        collate_fn=collate,
+        num_workers=config.num_workers,
+    )
+    # Validation is sharded by hand (no padding) rather than through
+    # accelerate's loader, whose even_batches padding would count duplicated
+    # examples in the validation loss on several processes.
+    val_shard = Subset(val_dataset, range(accelerator.process_index, len(val_dataset), accelerator.num_processes))
+    val_loader = DataLoader(
+        val_shard, batch_size=config.batch_size, shuffle=False, collate_fn=collate, num_workers=config.num_workers
+    )
+
+    optimizer = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
+    )
+    # Not passed to prepare(): accelerate's scheduler wrapper steps once per
+    # process per call (meant for per-step schedules); this one is per epoch.
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=config.lr_decay)
+    model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
+    accelerator.register_for_checkpointing(scheduler)
+
+    history: list[dict] = []
+    epoch_done = 0
+    global_step = 0
+    best_val = math.inf
+    best_epoch = 0
+    bad_epochs = 0
+    stopped_early = False
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
+        changed = sorted(
+            k
+            for k, v in state.get("config", {}).items()
+            if k not in _RESUME_MAY_CHANGE and config.to_dict().get(k, v) != v
+        )
+        if changed:
+            logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
+        history = state["history"]
+        epoch_done, global_step = state["epoch"], state["global_step"]
+        best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
+        best_epoch, bad_epochs, stopped_early = state["best_epoch"], state["bad_epochs"], state["stopped_early"]
+        logger.info("resuming from %s after epoch %d (step %d)", checkpoint, epoch_done, global_step)
+    history_path = output_dir / "history.jsonl"
+    if main:
+        # Rewritten from the checkpoint: drops records of epochs after it.
+        _write_history(history_path, history)
+
+    def finished() -> bool:
+        return (
+            stopped_early
+            or epoch_done >= config.epochs
+            or (config.max_steps is not None and global_step >= config.max_steps)
+        )
+
+    epoch_bar = tqdm(total=config.epochs, initial=epoch_done, desc="epochs", disable=not show, position=0)
+    while not finished():
+        epoch = epoch_done + 1
+        started = time.perf_counter()
+        # Per-epoch seeds make dropout etc. independent of where a run resumed.
+        set_seed(config.seed + epoch, device_specific=True)
+        sampler.set_epoch(epoch)
+        lr = optimizer.param_groups[0]["lr"]
+
+        model.train()
+        train_totals = _Totals()
+        running, running_n = 0.0, 0
+        bar = tqdm(train_loader, desc=f"epoch {epoch}", leave=False, disable=not show, position=1)
+        for n, batch in bar:
+            with accelerator.autocast():
+                loss, metrics = step_fn(model, batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            global_step += 1
+            train_totals.add(loss, n, metrics)
+            running += float(loss.detach().float().item()) * n
+            running_n += n
+            bar.set_postfix(loss=f"{loss.item():.4f}")
+            if global_step % config.log_every == 0:
+                logger.info("epoch %d step %d: train loss %.4f", epoch, global_step, running / running_n)
+                running, running_n = 0.0, 0
+            if config.max_steps is not None and global_step >= config.max_steps:
+                break
+        bar.close()
+
+        model.eval()
+        val_totals = _Totals()
+        eval_model = accelerator.unwrap_model(model)  # no DDP collectives with uneven shards
+        with torch.no_grad():
+            for n, batch in tqdm(val_loader, desc=f"validate {epoch}", leave=False, disable=not show, position=1):
+                batch = send_to_device(batch, accelerator.device)
+                with accelerator.autocast():
+                    loss, metrics = step_fn(eval_model, batch)
+                val_totals.add(loss, n, metrics)
+        scheduler.step()
+
+        train_keys = _metric_keys(accelerator, train_totals.metrics)
+        val_keys = _metric_keys(accelerator, val_totals.metrics)
+        record: dict[str, Any] = {"epoch": epoch, "step": global_step}
+        record.update(_summarise("train", *train_totals.reduce(accelerator, train_keys)))
+        record.update(_summarise("val", *val_totals.reduce(accelerator, val_keys)))
+        record["lr"] = lr
+        record["seconds"] = round(time.perf_counter() - started, 3)
+        history.append(record)
+        epoch_done = epoch
+
+        val_loss = record["val_loss"]
+        improved = val_loss < best_val  # False for NaN
+        if improved:
+            best_val, best_epoch, bad_epochs = val_loss, epoch, 0
+        else:
+            bad_epochs += 1
+            stopped_early = bad_epochs >= config.patience and epoch < config.epochs
+
+        if main:
+            with open(history_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+            if improved:
+                best = output_dir / "best"
+                old = best.with_name("best.old")
+                # Keep the previous best until the new one is written.
+                if old.exists():
+                    shutil.rmtree(old)
+                if best.exists():
+                    os.replace(best, old)
+                save_fn(accelerator.unwrap_model(model), best)
+                if old.exists():
+                    shutil.rmtree(old)
+        _save_checkpoint(
+            accelerator,
+            output_dir,
+            {
+                "epoch": epoch_done,
+                "global_step": global_step,
+                "best_val_loss": best_val if math.isfinite(best_val) else None,
+                "best_epoch": best_epoch,
+                "bad_epochs": bad_epochs,
+                "stopped_early": stopped_early,
+                "history": history,
+                "config": config.to_dict(),
+            },
+        )
+
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "epoch"}
+        logger.info("epoch %d: %s%s", epoch, shown, " (best)" if improved else "")
+        epoch_bar.set_postfix({k: shown[k] for k in shown if k.startswith(("train_", "val_"))})
+        epoch_bar.update(1)
+        if stopped_early:
+            logger.info("early stopping: no val-loss improvement for %d epochs (best epoch %d)", bad_epochs, best_epoch)
+    epoch_bar.close()
+    accelerator.wait_for_everyone()
+    return FitResult(
+        best_epoch=best_epoch,
+        best_val_loss=best_val,
+        epochs_run=epoch_done,
+        stopped_early=stopped_early,
+        history=history,
+    )
+
+
+def _save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:
+    """accelerate's full state (model, optimizer, scheduler, RNG, grad scaler)
+    plus the loop's own, written to last.tmp and then swapped in."""
+    tmp = output_dir / "last.tmp"
+    if accelerator.is_main_process and tmp.exists():
+        shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every process: per-process RNG files
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
+        _swap_in(tmp, output_dir / "last")
+    accelerator.wait_for_everyone()
