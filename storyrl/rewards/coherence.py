@@ -284,7 +284,8 @@ class Coherence(Reward):
             net, tokenizer = load_coherence_model(self.model, self.base_model, self.trust_checkpoint)
             return net.to(device).eval(), tokenizer
 
-        net, tokenizer = shared_model(("coherence", self.model, self.base_model, str(device)), load)
+        key = ("coherence", self.model, self.base_model, self.trust_checkpoint, str(device))
+        net, tokenizer = shared_model(key, load)
         return net, tokenizer, device, dtype
 
     def _setup(self) -> None:

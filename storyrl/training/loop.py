@@ -304,7 +304,9 @@ def fit(
         started = time.perf_counter()
         # Per-epoch seeds make dropout etc. independent of where a run resumed.
         set_seed(config.seed + epoch, device_specific=True)
-        sampler.set_epoch(epoch)
+        # Through the prepared loader: accelerate's loader re-sets its
+        # sampler's epoch from its own iteration counter on every __iter__.
+        (train_loader if hasattr(train_loader, "set_epoch") else sampler).set_epoch(epoch)
         lr = optimizer.param_groups[0]["lr"]
 
         model.train()
