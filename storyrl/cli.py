@@ -57,7 +57,15 @@ _REWARD_OPTIONS = [
     click.option("--noun-phrases", "noun_phrase_map", type=_FILE, help="Precomputed NPs, JSON {story_id: [phrases]} (skips spaCy)."),
     click.option("--concreteness", type=_FILE, help="Concreteness ratings file (default: storyrl asset cache)."),
     click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="On-disk region-embedding cache."),
+    click.option("--coherence-model", type=click.Path(exists=True, path_type=Path), help="RoViST-C model: storyrl directory or the authors' checkpoint."),
+    click.option("--trust-checkpoint/--no-trust-checkpoint", default=None, help="Allow unpickling the authors' RoViST-C checkpoint (only for files you trust)."),
+    click.option("--mode", type=click.Choice(["prefix", "adjacent"]), help="Coherence pairs: prefix (d_HM, default) or adjacent (RoViST)."),
+    click.option("--rovist-vg-model", type=click.Path(exists=True, file_okay=False, path_type=Path), help="RoViST-VG model directory (storyrl train rovist-vg)."),
+    click.option("--glove", type=_FILE, help="GloVe word vectors, text format (rovist_vg)."),
+    click.option("--idf-corpus", type=_FILE, help="Story set whose word document frequencies give idf weights."),
 ]
+# CLI option -> (reward, constructor argument) where the name alone would be ambiguous.
+_RENAMED_OPTIONS = {"coherence_model": ("coherence", "model"), "rovist_vg_model": ("rovist_vg", "model")}
 
 
 def _reward_options(function):
@@ -76,14 +84,29 @@ def _option_values(kwargs: dict) -> tuple[dict, dict]:
 def _make_rewards(names: list[str], configs, options: dict) -> list:
     from storyrl.rewards import accepted_options, create_reward, get_reward_class, load_reward_config
 
+    def options_for(name: str) -> dict:
+        own = {k: v for k, v in options.items() if k not in _RENAMED_OPTIONS}
+        own.update({arg: options[k] for k, (reward, arg) in _RENAMED_OPTIONS.items() if reward == name and k in options})
+        return own
+
     try:
-        rewards = [load_reward_config(c, overrides=options) for c in configs]
+        rewards = [load_reward_config(c, overrides=options_for(_config_reward_name(c))) for c in configs]
         for name in names:
             allowed = accepted_options(get_reward_class(name))
-            rewards.append(create_reward(name, **{k: v for k, v in options.items() if k in allowed}))
+            rewards.append(create_reward(name, **{k: v for k, v in options_for(name).items() if k in allowed}))
     except (KeyError, TypeError, ValueError) as exc:
         _fail(str(exc.args[0] if isinstance(exc, KeyError) else exc))
     return rewards
+
+
+def _config_reward_name(path: Path) -> str | None:
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None  # load_reward_config reports it
+    return data.get("reward") if isinstance(data, dict) else None
 
 
 def _attach_context_files(records, files: dict) -> None:
@@ -322,6 +345,54 @@ def assets(names, dest, force) -> None:
         _fail(str(exc))
     for path in paths:
         click.echo(str(path))
+
+
+@main.group()
+def train() -> None:
+    """Train the learned metrics (RoViST-C coherence, RoViST-VG). Multi-GPU:
+    run under `accelerate launch -m storyrl.cli train ...`."""
+
+
+_TRAINERS = {
+    "coherence": ("storyrl.training.coherence", "CoherenceTrainConfig", "train_coherence"),
+    "rovist-vg": ("storyrl.training.rovist_vg", "RovistVGTrainConfig", "train_rovist_vg"),
+}
+
+
+def _train_command(kind: str):
+    module_name, config_class, function = _TRAINERS[kind]
+
+    @train.command(kind, help=f"Train the {kind} model from a config YAML: best model in OUTPUT_DIR/best, "
+                   "resumable state in OUTPUT_DIR/last, one JSON line per epoch in OUTPUT_DIR/history.jsonl.")
+    @click.option("--config", "config_path", required=True, type=_FILE, help=f"Training config YAML (configs/training/{kind.replace('-', '_')}.yaml).")
+    @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Overrides the config's output_dir.")
+    @click.option("--resume", is_flag=True, help="Continue from OUTPUT_DIR/last.")
+    @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
+    @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+    def command(config_path, output_dir, resume, max_steps, quiet) -> None:
+        import importlib
+
+        module = importlib.import_module(module_name)
+        try:
+            config = getattr(module, config_class).from_yaml(
+                config_path, output_dir=str(output_dir) if output_dir else None, max_steps=max_steps
+            )
+            result = getattr(module, function)(config, resume=resume, progress=not quiet)
+        except (FileNotFoundError, ValueError) as exc:
+            _fail(str(exc))
+        click.echo(json.dumps({
+            "output_dir": config.output_dir,
+            "best_epoch": result.best_epoch,
+            "best_val_loss": result.best_val_loss,
+            "epochs_run": result.epochs_run,
+            "stopped_early": result.stopped_early,
+        }))
+
+    return command
+
+
+for _kind in _TRAINERS:
+    _train_command(_kind)
 
 
 if __name__ == "__main__":
