@@ -114,6 +114,7 @@ class GloVe:
         self.index = {w: i for i, w in enumerate(words)}
         self.vectors = vectors
         self.path = path
+        self.cache_key: Any = None  # set for shared (whole-file) tables
 
     @property
     def dim(self) -> int:
@@ -142,9 +143,7 @@ class GloVe:
         return f"GloVe({len(self)} words, dim={self.dim}, path={self.path!r})"
 
 
-def load_glove(
-    path: str | os.PathLike, vocabulary: Collection[str] | None = None, dim: int | None = None
-) -> GloVe:
+def load_glove(path: str | os.PathLike, vocabulary: Collection[str] | None = None, dim: int | None = None) -> GloVe:
     """Read GloVe's text format: per line a word then its numbers, separated
     by single spaces. ``vocabulary`` keeps only those words (compared as
     written; lower-case words for GloVe 6B), to save memory. ``dim`` defaults
@@ -172,7 +171,9 @@ def load_glove(
                         continue
                     dim = len(parts) - 1
                     if dim < 1:
-                        raise ValueError(f"{path}, line {lineno}: expected a word followed by numbers, got {line[:80]!r}")
+                        raise ValueError(
+                            f"{path}, line {lineno}: expected a word followed by numbers, got {line[:80]!r}"
+                        )
                 if len(parts) < dim + 1:
                     raise ValueError(
                         f"{path}, line {lineno}: expected a word and {dim} numbers, found {len(parts)} fields"
@@ -217,7 +218,14 @@ def shared_glove(path: str | os.PathLike) -> GloVe:
         st = os.stat(resolved)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read GloVe vectors: {exc.strerror or exc}") from exc
-    return shared_model(("glove", resolved, st.st_size, st.st_mtime_ns), lambda: load_glove(resolved))
+    key = ("glove", resolved, st.st_size, st.st_mtime_ns)
+
+    def load() -> GloVe:
+        glove = load_glove(resolved)
+        glove.cache_key = key  # noun embeddings are cached per file version
+        return glove
+
+    return shared_model(key, load)
 
 
 # -- the model -------------------------------------------------------------------
@@ -278,14 +286,19 @@ class RovistVGModel(nn.Module):
         pretrained_vit: bool = True,
         embed_dim: int = 1024,
         word_dim: int = 300,
-        **timm_kwargs: Any,
+        timm_kwargs: dict[str, Any] | None = None,
+        **more_timm_kwargs: Any,
     ) -> RovistVGModel:
         """A new model: the timm ViT ``vit_name`` (ImageNet weights when
         ``pretrained_vit``, the starting point of training) with fresh
-        projections. ``timm_kwargs`` go to ``timm.create_model`` (e.g.
-        ``img_size``, ``depth`` for tiny test models, or
-        ``pretrained_cfg_overlay={"file": ...}`` for local weights offline)."""
+        projections. ``timm_kwargs`` and further keyword arguments go to
+        ``timm.create_model`` (e.g. ``img_size``, ``depth`` for tiny test
+        models, or ``pretrained_cfg_overlay={"file": ...}`` for local weights
+        offline); the ViT's own width goes in ``timm_kwargs={"embed_dim": ...}``
+        since ``embed_dim`` here is the joint embedding size."""
         import timm
+
+        timm_kwargs = {**(timm_kwargs or {}), **more_timm_kwargs}
 
         try:
             vit = timm.create_model(vit_name, pretrained=pretrained_vit, num_classes=0, **timm_kwargs)
@@ -355,7 +368,7 @@ class RovistVGModel(nn.Module):
         try:
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
             model = cls.from_config(
-                meta["vit"], False, meta["embed_dim"], meta["word_dim"], **meta.get("timm_kwargs", {})
+                meta["vit"], False, meta["embed_dim"], meta["word_dim"], timm_kwargs=meta.get("timm_kwargs")
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{meta_path}: malformed RoViST-VG config: {exc}") from exc
@@ -423,7 +436,9 @@ class RovistVGEmbedder:
     def embed_phrases(self, phrases: Sequence[str], glove: GloVe, batch_size: int = 64) -> np.ndarray:
         """``[len(phrases), dim]`` float32, rows L2-normalised; every phrase
         must have a GloVe vector (:meth:`GloVe.phrase_vector` not None)."""
-        source = glove.path or f"glove@{id(glove)}"
+        # Vectors of a table read by hand (not shared_glove) may differ from the
+        # file's, so such tables get their own cache entries.
+        source = glove.cache_key or ("glove", id(glove))
         with self._lock:
             todo = list(dict.fromkeys(p for p in phrases if self.texts.get_fresh((source, p)) is None))
             for start in range(0, len(todo), batch_size):
@@ -457,7 +472,9 @@ class RovistVGEmbedder:
         return emb.cpu().numpy()
 
 
-def rovist_vg_embedder(model_dir: str | os.PathLike, device: str | None = None, precision: str = "auto") -> RovistVGEmbedder:
+def rovist_vg_embedder(
+    model_dir: str | os.PathLike, device: str | None = None, precision: str = "auto"
+) -> RovistVGEmbedder:
     """The process-wide embedder of a model directory on a device and precision
     (loaded on first use; :func:`storyrl.models.release_models` forgets it)."""
     from storyrl.models import resolve_device, resolve_precision, shared_model
@@ -465,8 +482,22 @@ def rovist_vg_embedder(model_dir: str | os.PathLike, device: str | None = None, 
     resolved = os.path.abspath(model_dir)
     dev = resolve_device(device)
     prec = resolve_precision(precision, dev)
-    key = ("rovist_vg", resolved, str(dev), prec)
+    # A directory saved again (e.g. training's best/ improving) is loaded afresh.
+    version = [
+        (st.st_size, st.st_mtime_ns) for st in _stats(Path(resolved), (CONFIG_FILE, WEIGHTS_FILE, TORCH_WEIGHTS_FILE))
+    ]
+    key = ("rovist_vg", resolved, str(dev), prec, tuple(version))
     return shared_model(key, lambda: RovistVGEmbedder(resolved, str(dev), prec))
+
+
+def _stats(directory: Path, names: Sequence[str]) -> list[os.stat_result]:
+    out = []
+    for name in names:
+        try:
+            out.append(os.stat(directory / name))
+        except OSError:
+            pass
+    return out
 
 
 # -- the reward -----------------------------------------------------------------
@@ -510,8 +541,10 @@ class RovistVG(Reward):
 
     Story context: ``images`` (paths or PIL images, one per position) or
     ``image_ids`` (resolved against ``image_root``); optionally ``nouns``
-    (per story, a list of nouns) or ``noun_phrases`` (used the same way; a
-    multi-word entry gets the mean vector of its words) to skip spaCy.
+    (per story, a list of nouns) to skip spaCy. Without ``nouns``, a
+    ``noun_phrases`` column is used the same way (a multi-word entry gets the
+    mean vector of its words) -- note that GROOViST's noun chunks are not
+    RoViST's nouns, so give ``nouns`` when a dataset serves both rewards.
 
     Args:
         model: a RoViST-VG model directory (:meth:`RovistVGModel.save_pretrained`).
@@ -553,14 +586,6 @@ class RovistVG(Reward):
         from storyrl.images import create_region_source
         from storyrl.models import PRECISIONS
 
-        if not model:
-            raise ValueError("rovist_vg needs model: a RoViST-VG directory (RovistVGModel.save_pretrained)")
-        if not glove:
-            raise ValueError("rovist_vg needs glove: the GloVe text file the model was trained with")
-        if not (Path(model) / CONFIG_FILE).is_file():
-            raise ValueError(f"{model}: not a storyrl RoViST-VG model directory (no {CONFIG_FILE})")
-        if not Path(glove).is_file():
-            raise ValueError(f"{glove}: GloVe file not found")
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -570,7 +595,9 @@ class RovistVG(Reward):
         if regions not in REGION_KINDS:
             raise ValueError(f"regions must be one of {REGION_KINDS}, got {regions!r}")
         if regions in ("grid", "whole") and (region_table or crops_dir):
-            raise ValueError(f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'")
+            raise ValueError(
+                f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'"
+            )
         if idf_corpus is None:
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
         self.model = str(model)
@@ -619,6 +646,15 @@ class RovistVG(Reward):
     # -- lazily loaded parts ---------------------------------------------------
     def _setup(self) -> None:
         # Load failures are the reward's, not a story's: let them propagate.
+        # (Checked here, not in __init__, so configs load before models exist.)
+        if not self.model:
+            raise ValueError("rovist_vg needs model: a RoViST-VG directory (RovistVGModel.save_pretrained)")
+        if not self.glove:
+            raise ValueError("rovist_vg needs glove: the GloVe text file the model was trained with")
+        if not (Path(self.model) / CONFIG_FILE).is_file():
+            raise ValueError(f"{self.model}: not a storyrl RoViST-VG model directory (no {CONFIG_FILE})")
+        if not Path(self.glove).is_file():
+            raise ValueError(f"{self.glove}: GloVe file not found")
         self.embedder  # noqa: B018
         self.word_vectors  # noqa: B018
         self.idf  # noqa: B018
