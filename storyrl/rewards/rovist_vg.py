@@ -600,8 +600,8 @@ class RovistVG(Reward):
             )
         if idf_corpus is None:
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
-        self.model = str(model)
-        self.glove = str(glove)
+        self.model = str(model) if model else None
+        self.glove = str(glove) if glove else None
         self.idf_corpus = idf_corpus
         self.scaled = bool(scaled)
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
