@@ -53,6 +53,15 @@ def _coerce(value: Any, tp: Any) -> Any:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise TypeError(f"expected a list, got {type(value).__name__} {value!r}")
         return [_coerce(v, item_tp) for v in value]
+    if origin is dict:
+        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+        if not isinstance(value, dict):
+            raise TypeError(f"expected a mapping, got {type(value).__name__} {value!r}")
+        return {_coerce(k, key_tp): _coerce(v, value_tp) for k, v in value.items()}
+    if origin is not None:
+        # Another generic (e.g. Literal, set[int]): not checked here; the
+        # dataclass's __post_init__ may check it.
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -209,7 +209,6 @@ def fit(
     writes ``best/model.pt`` (a state dict). ``resume=True`` continues from
     ``output_dir/last`` at the next epoch.
     """
-    from accelerate import Accelerator
     from accelerate.utils import send_to_device, set_seed
     from tqdm.auto import tqdm
 
@@ -220,7 +219,7 @@ def fit(
     save_fn = save_fn or _default_save
     output_dir = Path(config.output_dir)
 
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    accelerator = _make_accelerator(config)
     main = accelerator.is_main_process
     show = progress and accelerator.is_local_main_process
 
@@ -284,7 +283,9 @@ def fit(
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
         best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
-        best_epoch, bad_epochs, stopped_early = state["best_epoch"], state["bad_epochs"], state["stopped_early"]
+        best_epoch, bad_epochs = state["best_epoch"], state["bad_epochs"]
+        # A larger patience on resume lets an early-stopped run go on.
+        stopped_early = state["stopped_early"] and bad_epochs >= config.patience
         logger.info("resuming from %s after epoch %d (step %d)", checkpoint, epoch_done, global_step)
     history_path = output_dir / "history.jsonl"
     if main:
@@ -405,6 +406,24 @@ def fit(
         stopped_early=stopped_early,
         history=history,
     )
+
+
+def _make_accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    kwargs = dict(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    try:
+        return Accelerator(**kwargs)
+    except ValueError as exc:
+        if "already been initialized" not in str(exc) or not hasattr(AcceleratorState, "_reset_state"):
+            raise
+    # An earlier Accelerator in this process (e.g. a previous fit) used other
+    # settings. Only the accelerator-level state is reset; the process-level
+    # one (devices, process group) stays.
+    logger.warning("re-initialising accelerate's state for mixed_precision=%r", config.mixed_precision)
+    AcceleratorState._reset_state()
+    return Accelerator(**kwargs)
 
 
 def _save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:

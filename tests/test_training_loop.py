@@ -1,0 +1,255 @@
+"""The generic training loop (storyrl.training.loop.fit) on toy models."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import storyrl  # noqa: F401  (before torch/accelerate: CPU torchvision fallback)
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from storyrl.training.config import TrainConfig
+from storyrl.training.loop import FitResult, fit
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: thread start-up and contention on a shared 2-core machine
+    cost far more than they save (epochs went from 0.08 s to 10 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def blobs(n: int, seed: int, flip: bool = False) -> TensorDataset:
+    """Two separable Gaussian blobs in 2-D; ``flip`` swaps the labels."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 2, (n,), generator=g)
+    x = torch.randn(n, 2, generator=g) * 0.5 + (y.float() * 2 - 1).unsqueeze(1) * torch.tensor([1.5, -1.0])
+    return TensorDataset(x, 1 - y if flip else y)
+
+
+def classify_step(model, batch):
+    x, y = batch
+    logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, y)
+    return loss, {"correct": int((logits.argmax(-1) == y).sum()), "n": len(y)}
+
+
+def make_model(seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 2)
+    )
+
+
+def config(tmp_path, **kw) -> TrainConfig:
+    base = dict(output_dir=str(tmp_path / "run"), epochs=4, batch_size=16, lr=0.02, patience=10, log_every=2)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def read_history(cfg: TrainConfig) -> list[dict]:
+    with open(f"{cfg.output_dir}/history.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fit_trains_logs_and_saves_best(tmp_path):
+    cfg = config(tmp_path, epochs=5)
+    model = make_model()
+    result = fit(model, blobs(128, 1), blobs(48, 2), cfg, classify_step, progress=False)
+    assert isinstance(result, FitResult)
+    assert result.epochs_run == 5 and not result.stopped_early
+
+    history = read_history(cfg)
+    assert history == result.history
+    assert [r["epoch"] for r in history] == [1, 2, 3, 4, 5]
+    for r in history:
+        assert {"train_loss", "val_loss", "train_acc", "val_acc", "lr", "seconds"} <= set(r)
+        assert 0.0 <= r["train_acc"] <= 1.0 and 0.0 <= r["val_acc"] <= 1.0
+        assert "train_correct" not in r  # consumed by the acc
+    assert history[-1]["train_loss"] < history[0]["train_loss"]
+    assert history[-1]["val_acc"] > 0.9
+    # lr decays x0.95 per epoch
+    for a, b in zip(history, history[1:]):
+        assert b["lr"] == pytest.approx(a["lr"] * 0.95)
+    assert history[0]["lr"] == pytest.approx(0.02)
+
+    best_epoch = min(history, key=lambda r: r["val_loss"])["epoch"]
+    assert result.best_epoch == best_epoch
+    assert result.best_val_loss == pytest.approx(history[best_epoch - 1]["val_loss"])
+    saved = torch.load(f"{cfg.output_dir}/best/model.pt", weights_only=True)
+    if best_epoch == 5:
+        for k, v in model.state_dict().items():
+            assert torch.equal(saved[k].cpu(), v.cpu())
+    assert (tmp_path / "run" / "last" / "trainer_state.json").is_file()
+
+
+def test_val_acc_matches_direct_evaluation(tmp_path):
+    cfg = config(tmp_path, epochs=1, batch_size=5)  # uneven last batch
+    val = blobs(23, 2)
+    model = make_model()
+    result = fit(model, blobs(64, 1), val, cfg, classify_step, progress=False)
+    model.eval()
+    with torch.no_grad():
+        x, y = val.tensors
+        logits = model(x)
+        acc = float((logits.argmax(-1) == y).float().mean())
+        loss = float(torch.nn.functional.cross_entropy(logits, y))
+    assert result.history[0]["val_acc"] == pytest.approx(acc)
+    assert result.history[0]["val_loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_early_stopping(tmp_path):
+    # Validation labels are flipped: learning the training set makes the
+    # validation loss rise from the first epoch on.
+    cfg = config(tmp_path, epochs=10, patience=1, lr=0.05)
+    saves = []
+
+    def save(model, path):
+        saves.append(path)
+
+    result = fit(make_model(), blobs(128, 1), blobs(48, 2, flip=True), cfg, classify_step, save_fn=save, progress=False)
+    assert result.stopped_early
+    assert result.epochs_run == 2 and result.best_epoch == 1
+    assert len(read_history(cfg)) == 2
+    assert saves == [tmp_path / "run" / "best"]
+
+
+def test_max_steps(tmp_path):
+    cfg = config(tmp_path, epochs=3, batch_size=8, max_steps=3)
+    result = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    assert result.epochs_run == 1
+    (record,) = read_history(cfg)
+    assert record["step"] == 3
+    assert math.isfinite(record["val_loss"])
+    assert (tmp_path / "run" / "last" / "trainer_state.json").is_file()
+
+
+def test_resume_matches_uninterrupted_run(tmp_path):
+    train, val = blobs(96, 1), blobs(32, 2)
+    straight = make_model(dropout=0.3)  # dropout: RNG state must line up too
+    cfg_a = config(tmp_path / "a", epochs=4)
+    fit(straight, train, val, cfg_a, classify_step, progress=False)
+
+    cfg_b = config(tmp_path / "b", epochs=2)
+    first = fit(make_model(dropout=0.3), train, val, cfg_b, classify_step, progress=False)
+    assert first.epochs_run == 2
+    # A differently initialised model: everything must come from the checkpoint.
+    resumed_model = make_model(seed=123, dropout=0.3)
+    cfg_b4 = config(tmp_path / "b", epochs=4)
+    resumed = fit(resumed_model, train, val, cfg_b4, classify_step, resume=True, progress=False)
+
+    assert resumed.epochs_run == 4
+    assert [r["epoch"] for r in read_history(cfg_b4)] == [1, 2, 3, 4]
+    a_hist, b_hist = read_history(cfg_a), read_history(cfg_b4)
+    for ra, rb in zip(a_hist, b_hist):
+        assert rb["train_loss"] == pytest.approx(ra["train_loss"], rel=1e-6)
+        assert rb["val_loss"] == pytest.approx(ra["val_loss"], rel=1e-6)
+        assert rb["lr"] == pytest.approx(ra["lr"])
+    sa, sb = straight.state_dict(), resumed_model.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], atol=1e-6), k
+
+    # Resuming a finished run trains nothing more.
+    again = fit(make_model(seed=5, dropout=0.3), train, val, cfg_b4, classify_step, resume=True, progress=False)
+    assert again.epochs_run == 4 and len(again.history) == 4
+
+
+def test_mixed_precision_bf16_on_cpu(tmp_path):
+    # Also checks that fit can run again in a process whose accelerate state
+    # was initialised with another mixed_precision.
+    cfg = config(tmp_path, epochs=2, mixed_precision="bf16")
+    result = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    assert result.epochs_run == 2 and all(math.isfinite(r["val_loss"]) for r in result.history)
+    result = fit(make_model(), blobs(64, 1), blobs(16, 2), config(tmp_path / "fp32", epochs=1), classify_step)
+    assert result.epochs_run == 1
+
+
+def test_resume_without_checkpoint(tmp_path):
+    cfg = config(tmp_path)
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "run")):
+        fit(make_model(), blobs(16, 1), blobs(8, 2), cfg, classify_step, resume=True, progress=False)
+
+
+def test_empty_validation_set(tmp_path):
+    with pytest.raises(ValueError, match="validation set is empty"):
+        fit(make_model(), blobs(16, 1), blobs(0, 2), config(tmp_path), classify_step, progress=False)
+
+
+# ---------------------------------------------------------------------------
+# TrainConfig.from_yaml
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _SubConfig(TrainConfig):
+    stories: list[str] | None = None
+    mode: str = "prefix"
+    options: dict[str, float] = field(default_factory=dict)
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "train.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_from_yaml_reads_values_and_overrides(tmp_path):
+    path = write(tmp_path, "output_dir: out/x\nepochs: 3\nlr: 1e-5\nweight_decay: 0\nmax_steps: null\n")
+    cfg = TrainConfig.from_yaml(path, epochs=None, batch_size=8)
+    assert cfg.epochs == 3 and cfg.batch_size == 8  # None override ignored
+    assert cfg.lr == 1e-5 and isinstance(cfg.lr, float)  # PyYAML reads `1e-5` as a string
+    assert cfg.weight_decay == 0.0 and cfg.max_steps is None
+    assert TrainConfig(**cfg.to_dict()) == cfg
+
+    sub = _SubConfig.from_yaml(write(tmp_path, "output_dir: o\nstories: [a.json, b.jsonl]\nmode: adjacent\n"))
+    assert sub.stories == ["a.json", "b.jsonl"] and sub.mode == "adjacent" and sub.patience == 5
+    sub = _SubConfig.from_yaml(write(tmp_path, "output_dir: o\noptions: {drop: 1}\n"))
+    assert sub.options == {"drop": 1.0}
+    with pytest.raises(ValueError, match="'options': expected a mapping"):
+        _SubConfig.from_yaml(write(tmp_path, "output_dir: o\noptions: [1]\n"))
+
+
+def test_from_yaml_unknown_key(tmp_path):
+    path = write(tmp_path, "output_dir: o\nepoch: 3\n")
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_yaml(path)
+    message = str(info.value)
+    assert str(path) in message and "'epoch'" in message and "epochs" in message  # lists valid keys
+    with pytest.raises(ValueError, match="stories"):
+        TrainConfig.from_yaml(write(tmp_path, "output_dir: o\nstories: [a]\n"))
+    with pytest.raises(ValueError, match="unknown key 'bogus'"):
+        TrainConfig.from_yaml(write(tmp_path, "output_dir: o\n"), bogus=1)
+
+
+@pytest.mark.parametrize(
+    "line, key",
+    [
+        ("epochs: ten", "epochs"),
+        ("epochs: 2.5", "epochs"),
+        ("lr: fast", "lr"),
+        ("mixed_precision: 16", "mixed_precision"),
+    ],
+)
+def test_from_yaml_wrong_type(tmp_path, line, key):
+    path = write(tmp_path, f"output_dir: o\n{line}\n")
+    with pytest.raises(ValueError) as info:
+        TrainConfig.from_yaml(path)
+    assert str(path) in str(info.value) and repr(key) in str(info.value)
+
+
+def test_from_yaml_wrong_list_items_and_missing_required(tmp_path):
+    with pytest.raises(ValueError, match="'stories'"):
+        _SubConfig.from_yaml(write(tmp_path, "output_dir: o\nstories: a.json\n"))
+    path = write(tmp_path, "epochs: 2\n")
+    with pytest.raises(ValueError, match="output_dir"):
+        TrainConfig.from_yaml(path)
+    with pytest.raises(ValueError, match="mixed_precision"):
+        TrainConfig.from_yaml(write(tmp_path, "output_dir: o\nmixed_precision: fp8\n"))
