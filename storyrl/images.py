@@ -36,6 +36,7 @@ __all__ = [
     "WholeImage",
     "REGION_KINDS",
     "create_region_source",
+    "region_source_from_options",
     "detect_regions",
     "load_region",
     "load_regions",
@@ -493,6 +494,26 @@ def create_region_source(kind: str, **options: Any):
     if name == "crops" and "crops_dir" not in given:
         raise ValueError("region source 'crops' needs crops_dir (the directory of crop files)")
     return RegionTable(given["region_table"], top_b=given.get("top_b", 10), crops_dir=given.get("crops_dir"))
+
+
+def region_source_from_options(
+    regions: str | None = None,
+    region_table: str | None = None,
+    crops_dir: str | None = None,
+    top_b: int = 10,
+    grid: int = 3,
+) -> tuple[str, Any]:
+    """(kind, source) from a region-based reward's options. Unset ``regions``
+    means table/crops when given, else grid (no detector needed)."""
+    if regions is None:
+        regions = "table" if region_table else "crops" if crops_dir else "grid"
+    if regions not in REGION_KINDS:
+        raise ValueError(f"regions must be one of {REGION_KINDS}, got {regions!r}")
+    if regions in ("grid", "whole") and (region_table or crops_dir):
+        raise ValueError(f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'")
+    given = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
+    used = {"table": ("region_table", "top_b"), "crops": ("region_table", "crops_dir", "top_b"), "grid": ("grid",), "whole": ()}
+    return regions, create_region_source(regions, **{k: given[k] for k in used[regions]})
 
 
 def sequence_regions(source: Any, images: Sequence[Any], image_ids: Sequence[Any] | None = None) -> list[Region]:

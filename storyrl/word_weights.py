@@ -393,3 +393,20 @@ class NoWeights:
 
     def weights(self, phrases: Iterable[str]) -> list[float]:
         return [1.0 for _ in phrases]
+
+
+def load_idf(path: str | os.PathLike) -> Idf:
+    """Idf weights from a saved table (:meth:`Idf.to_json`) or a story set
+    (JSON ``{id: story}`` / JSONL), counted on the fly."""
+    import json
+
+    from storyrl.data import load_stories
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            head = json.load(fh)
+        if isinstance(head, dict) and "df" in head and "n_docs" in head:
+            return Idf.from_json(path)
+    except (OSError, ValueError):
+        pass
+    return Idf.from_stories(r.story for r in load_stories(path))

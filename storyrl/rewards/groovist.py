@@ -46,7 +46,6 @@ THETA_PRESETS = {
 SCALE = 2.5
 UNITS = ("noun_phrases", "nouns")
 WEIGHTINGS = ("concreteness", "idf", "none")
-REGION_KINDS = ("table", "crops", "grid", "whole")
 
 
 def resolve_theta(theta: float | str) -> float:
@@ -162,10 +161,6 @@ class GROOViST(ClipReward):
         self.theta = resolve_theta(theta)
         self.bounded = bool(bounded)
         self.value_range = (-1.0, 1.0) if self.bounded else (-math.inf, math.inf)
-        if regions is None:
-            regions = "table" if region_table else "crops" if crops_dir else "grid"
-        if regions not in REGION_KINDS:
-            raise ValueError(f"regions must be one of {REGION_KINDS}, got {regions!r}")
         if units not in UNITS:
             raise ValueError(f"units must be one of {UNITS}, got {units!r}")
         if weighting not in WEIGHTINGS:
@@ -174,19 +169,10 @@ class GROOViST(ClipReward):
             raise ValueError("weighting='idf' needs idf_corpus (a story set to count word document frequencies in)")
         if on_failure not in ("nan", "zero"):
             raise ValueError(f"on_failure must be 'nan' or 'zero', got {on_failure!r}")
-        from storyrl.images import create_region_source
+        from storyrl.images import region_source_from_options
 
-        self.regions = regions
+        self.regions, self.region_source = region_source_from_options(regions, region_table, crops_dir, top_b, grid)
         self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
-        if regions in ("grid", "whole") and (region_table or crops_dir):
-            raise ValueError(f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'")
-        per_kind = {
-            "table": ("region_table", "top_b"),
-            "crops": ("region_table", "crops_dir", "top_b"),
-            "grid": ("grid",),
-            "whole": (),
-        }
-        self.region_source = create_region_source(regions, **{k: self.region_options[k] for k in per_kind[regions]})
         self.spacy_pipeline = spacy_pipeline
         self.units = units
         self.weighting = weighting
@@ -237,7 +223,7 @@ class GROOViST(ClipReward):
             if self.weighting == "concreteness":
                 self._weights = word_weights.Concreteness.from_path(self.concreteness)
             elif self.weighting == "idf":
-                self._weights = _load_idf(self.idf_corpus)
+                self._weights = word_weights.load_idf(self.idf_corpus)
             else:
                 self._weights = word_weights.NoWeights()
         return self._weights
@@ -334,20 +320,3 @@ def calibrate_theta(
     if not n_phrases:
         raise ValueError("no noun phrase could be scored: cannot calibrate theta")
     return {"theta": total / n_phrases, "n_phrases": n_phrases, "n_stories": n, "n_unscorable": n_bad}
-
-
-def _load_idf(path: str):
-    """Idf weights from a saved table (``Idf.to_json``) or a story set."""
-    import json
-
-    from storyrl.data import load_stories
-    from storyrl.word_weights import Idf
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            head = json.load(fh)
-        if isinstance(head, dict) and "df" in head:
-            return Idf.from_json(path)
-    except (OSError, ValueError):
-        pass
-    return Idf.from_stories(r.story for r in load_stories(path))

@@ -75,7 +75,6 @@ DEFAULT_VIT = "vit_base_patch16_224"
 CONFIG_FILE = "storyrl_rovist_vg.json"
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"  # read when safetensors is unavailable
-REGION_KINDS = ("table", "crops", "grid", "whole")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -583,21 +582,13 @@ class RovistVG(Reward):
         image_root: str | None = None,
     ) -> None:
         super().__init__()
-        from storyrl.images import create_region_source
+        from storyrl.images import region_source_from_options
         from storyrl.models import PRECISIONS
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if regions is None:
-            regions = "table" if region_table else "crops" if crops_dir else "grid"
-        if regions not in REGION_KINDS:
-            raise ValueError(f"regions must be one of {REGION_KINDS}, got {regions!r}")
-        if regions in ("grid", "whole") and (region_table or crops_dir):
-            raise ValueError(
-                f"regions={regions!r} does not use region_table/crops_dir; choose regions='table' or 'crops'"
-            )
         if idf_corpus is None:
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
         self.model = str(model) if model else None
@@ -605,15 +596,8 @@ class RovistVG(Reward):
         self.idf_corpus = idf_corpus
         self.scaled = bool(scaled)
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
-        self.regions = regions
+        self.regions, self.region_source = region_source_from_options(regions, region_table, crops_dir, top_b, grid)
         self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
-        per_kind = {
-            "table": ("region_table", "top_b"),
-            "crops": ("region_table", "crops_dir", "top_b"),
-            "grid": ("grid",),
-            "whole": (),
-        }
-        self.region_source = create_region_source(regions, **{k: self.region_options[k] for k in per_kind[regions]})
         self.spacy_pipeline = spacy_pipeline
         self.device = device
         self.precision = precision
@@ -673,7 +657,9 @@ class RovistVG(Reward):
     def idf(self):
         """The idf weighting (``weights(nouns)``), or None for weights 1.0."""
         if self._idf is None and self.idf_corpus is not None:
-            self._idf = _load_idf(self.idf_corpus)
+            from storyrl.word_weights import load_idf
+
+            self._idf = load_idf(self.idf_corpus)
         return self._idf
 
     @property
@@ -792,18 +778,3 @@ class RovistVG(Reward):
             else:
                 embs.append(None)
         return story_regions, embs
-
-
-def _load_idf(path: str):
-    """Idf weights from a saved table (``Idf.to_json``) or a story set."""
-    from storyrl.data import load_stories
-    from storyrl.word_weights import Idf
-
-    try:
-        with open(path, encoding="utf-8") as fh:
-            head = json.load(fh)
-        if isinstance(head, dict) and "df" in head and "n_docs" in head:
-            return Idf.from_json(path)
-    except (OSError, ValueError):
-        pass
-    return Idf.from_stories(r.story for r in load_stories(path))
