@@ -119,6 +119,7 @@ def main(argv=None) -> int:
 
         # Per-pair reference on the first pairs, and storyrl's own probabilities for them.
         ref_pairs = pairs[:: max(1, len(pairs) // args.ref_pairs)]  # spread over short and long prefixes
+        tok.truncation_side = "left"
         autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
         ref = []
         sync()
@@ -126,6 +127,7 @@ def main(argv=None) -> int:
         with torch.no_grad(), autocast:
             for first, sentence in ref_pairs:
                 enc = tok(first, sentence, return_tensors="pt", truncation="only_first", max_length=512)
+                # (truncation_side is set to "left" below: keep the end of the prefix, as storyrl does)
                 logits = net(**{k: v.to(device) for k, v in enc.items()}).float()
                 ref.append(torch.softmax(logits, -1)[0, 1].item())
         sync()

@@ -109,6 +109,10 @@ def test_encoding_and_truncation(tiny):
     cut = encode_pairs(tok, [(first, second)], max_length=12)["input_ids"][0].tolist()
     # 12 = [CLS] + 4 prefix tokens + [SEP] + 5 sentence tokens + [SEP]: the END of the prefix survives.
     assert cut == [tok.cls_token_id, *ids(first)[-4:], tok.sep_token_id, *ids(second), tok.sep_token_id]
+    # A prefix longer than half the room but within the limit stays whole.
+    long_first = " ".join(["the dog ran to the park ."] * 10)  # 70 tokens
+    kept = encode_pairs(tok, [(long_first, second)], max_length=100)
+    assert torch.equal(kept["input_ids"], tok(long_first, second, return_tensors="pt")["input_ids"])
     alone = encode_pairs(tok, [("a cat", "the dog ran to the park . it rained all day .")], max_length=8)
     assert alone["input_ids"][0].tolist() == [tok.cls_token_id, tok.sep_token_id, *ids("the dog ran to the park")[:5], tok.sep_token_id]
     assert alone["token_type_ids"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 1]

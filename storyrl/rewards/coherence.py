@@ -67,7 +67,7 @@ def encode_pairs(tokenizer, pairs: list[tuple[str, str]], max_length: int = 512)
     for a, b in zip(firsts, seconds):
         b = b[: max_length - 3]
         room = max_length - 3 - len(b)
-        a = a[len(a) - room :] if room > 0 else []
+        a = a[max(0, len(a) - room) :] if room > 0 else []
         rows.append([cls_id, *a, sep_id, *b, sep_id])
         types.append([0] * (len(a) + 2) + [1] * (len(b) + 1))
     width = max(len(r) for r in rows)
