@@ -220,8 +220,11 @@ class Coherence(Reward):
         trust_checkpoint: allow unpickling the authors' checkpoint.
         mode: "prefix" (d_HM, default) or "adjacent" (original RoViST).
         device, precision: as for the CLIP rewards ("auto": fp16 on CUDA).
-        batch_size: sentence pairs per forward pass (sorted by length).
+        batch_size: at most this many sentence pairs per forward pass
+            (pairs are sorted by length).
         max_length: token limit of a pair (ALBERT: 512).
+        max_batch_tokens: padded tokens per forward pass (default 512 on
+            CPU, where big batches are slower, 32768 on CUDA).
     """
 
     name = "coherence"
@@ -238,6 +241,7 @@ class Coherence(Reward):
         precision: str = "auto",
         batch_size: int = 64,
         max_length: int = 512,
+        max_batch_tokens: int | None = None,
     ) -> None:
         super().__init__()
         from storyrl.models import PRECISIONS
@@ -252,7 +256,7 @@ class Coherence(Reward):
             raise ValueError(f"max_length must be at least 8, got {max_length}")
         self.model, self.base_model, self.trust_checkpoint = model, base_model, bool(trust_checkpoint)
         self.mode, self.device, self.precision = mode, device, precision
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length, self.max_batch_tokens = batch_size, max_length, max_batch_tokens
 
     def config(self) -> dict[str, Any]:
         return {
@@ -264,6 +268,7 @@ class Coherence(Reward):
             "precision": self.precision,
             "batch_size": self.batch_size,
             "max_length": self.max_length,
+            "max_batch_tokens": self.max_batch_tokens,
         }
 
     def _loaded(self):
@@ -299,10 +304,20 @@ class Coherence(Reward):
         lengths = [len(a) + len(b) for a, b in unique]
         order = sorted(range(len(unique)), key=lengths.__getitem__)
         probs = np.empty(len(unique))
+        # Token budget per batch (~4 characters a token): on CPU large padded
+        # batches are memory-bound and slower than small ones (measured in
+        # benchmarks/coherence.py); GPUs want them big.
+        budget = self.max_batch_tokens or (32768 if device.type == "cuda" else 512)
+        batches, start = [], 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and end - start < self.batch_size and (end - start + 1) * lengths[order[end]] <= 4 * budget:
+                end += 1
+            batches.append(order[start:end])
+            start = end
         autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
         with torch.inference_mode(), autocast:
-            for start in range(0, len(order), self.batch_size):
-                index = order[start : start + self.batch_size]
+            for index in batches:
                 batch = encode_pairs(tokenizer, [unique[k] for k in index], self.max_length)
                 logits = net(**{k: v.to(device) for k, v in batch.items()}).float()
                 probs[index] = torch.softmax(logits, dim=-1)[:, 1].cpu().numpy()
