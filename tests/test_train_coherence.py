@@ -275,3 +275,30 @@ def _write(tmp_path, text):
     path = tmp_path / "c.yaml"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def test_train_command_line(tmp_path):
+    """`storyrl train coherence --config ...` as users run it, continuing from
+    a saved tiny model (init_from), then resumed."""
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    start = tmp_path / "start"
+    tiny_model().save_pretrained(start, make_tokenizer())
+    stories = tmp_path / "stories.json"
+    stories.write_text(json.dumps(synthetic_stories(12)))
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        f"output_dir: {tmp_path / 'run'}\nstories: [{stories}]\ninit_from: {start}\n"
+        "epochs: 2\nbatch_size: 8\nlr: 0.001\n"
+    )
+    runner = CliRunner()
+    result = runner.invoke(main, ["train", "coherence", "--config", str(config), "-q"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["epochs_run"] == 2 and (tmp_path / "run" / "best").is_dir()
+    again = runner.invoke(main, ["train", "coherence", "--config", str(config), "--resume", "-q"], catch_exceptions=False)
+    assert again.exit_code == 0, again.output
+    bad = runner.invoke(main, ["train", "coherence", "--config", str(stories)])
+    assert bad.exit_code != 0 and str(stories) in bad.output
