@@ -44,3 +44,15 @@ def images(tmp_path_factory):
     from clip_fixtures import make_images
 
     return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: thread start-up and contention on a shared 2-core machine
+    cost far more than they save (epochs went from 0.08 s to 10 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -25,14 +25,8 @@ STORY_A = "Tom woke up. He ate eggs. He went to work."
 STORY_B = "The sun rose. Birds sang."
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: thread start-up and contention on a shared 2-core machine
-    cost far more than they save (epochs went from 0.08 s to 10 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models train faster on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_build_sop_examples_prefix():

@@ -16,14 +16,8 @@ from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: thread start-up and contention on a shared 2-core machine
-    cost far more than they save (epochs went from 0.08 s to 10 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models train faster on one thread (see conftest.one_thread).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def blobs(n: int, seed: int, flip: bool = False) -> TensorDataset:

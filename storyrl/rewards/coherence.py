@@ -244,14 +244,11 @@ class Coherence(Reward):
         max_batch_tokens: int | None = None,
     ) -> None:
         super().__init__()
-        from storyrl.models import PRECISIONS
+        from storyrl.models import check_run_options
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_run_options(precision, batch_size)
         if max_length < 8:
             raise ValueError(f"max_length must be at least 8, got {max_length}")
         self.model, self.base_model, self.trust_checkpoint = model, base_model, bool(trust_checkpoint)

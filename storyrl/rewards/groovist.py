@@ -169,10 +169,7 @@ class GROOViST(ClipReward):
             raise ValueError("weighting='idf' needs idf_corpus (a story set to count word document frequencies in)")
         if on_failure not in ("nan", "zero"):
             raise ValueError(f"on_failure must be 'nan' or 'zero', got {on_failure!r}")
-        from storyrl.images import region_source_from_options
-
-        self.regions, self.region_source = region_source_from_options(regions, region_table, crops_dir, top_b, grid)
-        self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
+        self._set_region_source(regions, region_table, crops_dir, top_b, grid)
         self.spacy_pipeline = spacy_pipeline
         self.units = units
         self.weighting = weighting
@@ -248,9 +245,7 @@ class GROOViST(ClipReward):
         raw = noun_phrases if noun_phrases is not None else self.extractor.extract(list(stories))
         phrases = [scoring_phrases(list(p or ()), self.pronoun_set) for p in raw]
         reasons: list[str | None] = [None if p else "no noun phrases" for p in phrases]
-        story_regions, region_embs = self._embedded_regions(
-            reasons, images, image_ids, self.region_source, need_files=self.regions != "crops"
-        )
+        story_regions, region_embs = self._embedded_regions(reasons, images, image_ids, self.region_source)
         todo = [i for i in range(n) if reasons[i] is None]
         unique = list(dict.fromkeys(p for i in todo for p in phrases[i]))
         text_embs = self.embedder.embed_texts(unique)
@@ -280,15 +275,7 @@ class GROOViST(ClipReward):
         return out
 
     def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
-        scores = []
-        for result in self.analyse(stories, **context):
-            if result.reason is None:
-                scores.append(result.score)
-            else:
-                scores.append(self._unscorable(result.reason.split(":")[0], result.reason))
-                if self.on_failure == "zero":
-                    scores[-1] = 0.0
-        return np.asarray(scores, dtype=np.float64)
+        return self._scores_from(self.analyse(stories, **context), 0.0 if self.on_failure == "zero" else None)
 
     def explain(self, stories: list[str], **context: Any) -> list[dict[str, Any]]:
         """Per-story score, reason and per-NP details as JSON-ready dicts."""

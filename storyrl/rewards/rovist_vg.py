@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from storyrl.rewards.base import Reward
+from storyrl.rewards.region_base import RegionReward
 
 log = logging.getLogger(__name__)
 
@@ -535,7 +535,7 @@ def story_nouns(raw: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(s for s in (str(p).strip().lower() for p in raw or ()) if s))
 
 
-class RovistVG(Reward):
+class RovistVG(RegionReward):
     """RoViST-VG as a reward (higher = better grounded).
 
     Story context: ``images`` (paths or PIL images, one per position) or
@@ -582,13 +582,9 @@ class RovistVG(Reward):
         image_root: str | None = None,
     ) -> None:
         super().__init__()
-        from storyrl.images import region_source_from_options
-        from storyrl.models import PRECISIONS
+        from storyrl.models import check_run_options
 
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_run_options(precision, batch_size)
         if idf_corpus is None:
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
         self.model = str(model) if model else None
@@ -596,8 +592,7 @@ class RovistVG(Reward):
         self.idf_corpus = idf_corpus
         self.scaled = bool(scaled)
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
-        self.regions, self.region_source = region_source_from_options(regions, region_table, crops_dir, top_b, grid)
-        self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
+        self._set_region_source(regions, region_table, crops_dir, top_b, grid)
         self.spacy_pipeline = spacy_pipeline
         self.device = device
         self.precision = precision
@@ -686,7 +681,7 @@ class RovistVG(Reward):
         reasons: list[str | None] = [
             "no nouns" if not us else "no nouns with word vectors" if not k else None for us, k in zip(units, kept)
         ]
-        story_regions, region_embs = self._embedded_regions(reasons, images, image_ids)
+        story_regions, region_embs = self._embedded_regions(reasons, images, image_ids, self.region_source)
         todo = [i for i in range(n) if reasons[i] is None]
         unique = list(dict.fromkeys(u for i in todo for u in kept[i]))
         text_embs = self.embedder.embed_phrases(unique, glove, self.batch_size)
@@ -716,65 +711,14 @@ class RovistVG(Reward):
         return out
 
     def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
-        scores = []
-        for result in self.analyse(stories, **context):
-            if result.reason is None:
-                scores.append(result.score)
-            else:
-                scores.append(self._unscorable(result.reason.split(":")[0], result.reason))
-        return np.asarray(scores, dtype=np.float64)
+        return self._scores_from(self.analyse(stories, **context))
 
     def explain(self, stories: list[str], **context: Any) -> list[dict[str, Any]]:
         """Per-story score, reason, per-noun details and skipped nouns as
         JSON-ready dicts."""
         return [a.to_json() for a in self.analyse(list(stories), **context)]
 
-    # -- images ------------------------------------------------------------------
-    def _story_images(self, i: int, images, image_ids) -> tuple[list, list[str] | None]:
-        from storyrl.images import resolve_images
+    def _embed_region_list(self, regions: list) -> np.ndarray:
+        from storyrl.images import load_regions
 
-        paths = images[i] if images is not None else None
-        ids = image_ids[i] if image_ids is not None else None
-        if self.regions == "crops" and ids is not None and paths is None:
-            return list(ids), ids  # crop files are named by image id: no image files needed
-        return resolve_images(images=paths, image_ids=ids, image_root=self.image_root), ids
-
-    def _embedded_regions(self, reasons: list, images, image_ids) -> tuple[list, list]:
-        """Regions and their embeddings for every story whose reason is None;
-        a story whose images cannot be used gets a reason instead."""
-        from storyrl.images import ImageError, load_regions, sequence_regions
-
-        story_regions: list = [None] * len(reasons)
-        for i, reason in enumerate(reasons):
-            if reason is not None:
-                continue
-            try:
-                seq, ids = self._story_images(i, images, image_ids)
-                story_regions[i] = sequence_regions(self.region_source, seq, ids)
-            except ImageError as exc:
-                reasons[i] = f"images: {exc}"
-                continue
-            if not story_regions[i]:
-                reasons[i] = "no images or regions"
-        embedder = self.embedder
-        try:  # one batched pass over every story's regions
-            flat = embedder.embed_regions(
-                [r for regs in story_regions if regs for r in regs], load_regions, self.batch_size
-            )
-        except ImageError:  # an unreadable image: find its story, score the others
-            embs: list = []
-            for i, regs in enumerate(story_regions):
-                try:
-                    embs.append(embedder.embed_regions(regs, load_regions, self.batch_size) if regs else None)
-                except ImageError as exc:
-                    reasons[i], story_regions[i] = f"images: {exc}", None
-                    embs.append(None)
-            return story_regions, embs
-        embs, start = [], 0
-        for regs in story_regions:
-            if regs:
-                embs.append(flat[start : start + len(regs)])
-                start += len(regs)
-            else:
-                embs.append(None)
-        return story_regions, embs
+        return self.embedder.embed_regions(regions, load_regions, self.batch_size)
