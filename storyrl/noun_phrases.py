@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from itertools import islice
 from typing import Any
 
 from storyrl.assets import asset_path
+from storyrl.models import LruDict
 from storyrl.text import split_sentences
 
 __all__ = [
@@ -163,7 +163,7 @@ class PhraseExtractor:
         self.batch_size = batch_size
         self.cache_size = cache_size
         self._nlp = nlp
-        self._cache: dict[str, tuple[str, ...]] = {}
+        self._cache = LruDict(cache_size)
 
     @property
     def nlp(self):
@@ -174,7 +174,7 @@ class PhraseExtractor:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_nlp"] = None
-        state["_cache"] = {}
+        state["_cache"] = LruDict(self.cache_size)
         return state
 
     def clear_cache(self) -> None:
@@ -200,19 +200,11 @@ class PhraseExtractor:
             phrases: list[str] = []
             for sent in sents:
                 found = parsed.get(sent)
-                if found is None:
-                    found = cache.pop(sent)  # re-inserted below: most recently used
-                    cache[sent] = found
-                phrases.extend(found)
+                phrases.extend(found if found is not None else cache.get_fresh(sent))
             result.append(phrases)
         self._remember(parsed)
         return result
 
     def _remember(self, parsed: dict[str, tuple[str, ...]]) -> None:
-        if not self.cache_size:
-            return
-        self._cache.update(parsed)
-        if len(self._cache) > self.cache_size:
-            # Keep the newest half: evicting in bulk keeps insertion O(1) amortised.
-            keep = max(self.cache_size // 2, 1)
-            self._cache = dict(islice(self._cache.items(), len(self._cache) - keep, None))
+        for sentence, phrases in parsed.items():
+            self._cache.put(sentence, phrases)
