@@ -79,25 +79,28 @@ def accepted_options(cls: type[Reward]) -> set[str]:
 
 
 def create_reward(name: str, **config: Any) -> Reward:
-    """Instantiate a registered reward with its configuration."""
+    """Instantiate a registered reward with its configuration. Every option is
+    checked against the type its constructor declares (TypeError naming the
+    reward and the option; nothing is converted)."""
     cls = get_reward_class(name)
-    try:
-        return cls(**config)
-    except TypeError as exc:
-        raise TypeError(f"reward {name!r}: bad configuration {config}: {exc}") from exc
+    allowed = accepted_options(cls)
+    unknown = [k for k in config if k not in allowed]
+    if unknown:
+        raise TypeError(
+            f"reward {name!r}: bad configuration: unknown option {unknown[0]!r}; "
+            f"valid options: {', '.join(sorted(allowed))}"
+        )
+    return cls(**config)
 
 
 def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Reward:
     """Create a reward from a YAML file: ``reward: <name>`` plus its options.
     ``overrides`` (e.g. command-line options) replace file options the reward
-    accepts; others are ignored."""
-    import yaml
+    accepts; others are ignored. Errors are ValueErrors naming the file."""
+    from storyrl.options import load_yaml
 
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: cannot read reward config: {exc}") from exc
+    data = load_yaml(path)
     if not isinstance(data, dict) or not isinstance(data.get("reward"), str):
         raise ValueError(f"{path}: a reward config is a mapping with a 'reward: <name>' key")
     options = {k: v for k, v in data.items() if k != "reward"}
@@ -106,5 +109,7 @@ def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None
             allowed = accepted_options(get_reward_class(data["reward"]))
             options.update({k: v for k, v in overrides.items() if k in allowed})
         return create_reward(data["reward"], **options)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from exc
+    except KeyError as exc:
+        raise ValueError(f"{path}: {exc.args[0]}") from None
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: {exc}") from None

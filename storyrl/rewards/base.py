@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -19,6 +20,31 @@ log = logging.getLogger(__name__)
 
 # Keyword arguments TRL passes to reward functions that are not story context.
 _TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "environments"})
+# A reward whose scoring raised for this many stories in a row (across calls)
+# is broken, not fed bad stories: with one story per call the batch rule below
+# never sees a whole failing batch.
+MAX_ERRORS_IN_A_ROW = 16
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+class RewardError(RuntimeError):
+    """The reward itself failed (model not loadable, scoring broken for every
+    story), as opposed to an unscorable story, which gets NaN."""
+
+
+def clean_text(text: str) -> str:
+    """Replace lone surrogates (e.g. from a JSON ``"\\ud800"`` escape or a
+    broken decoder) by U+FFFD so that every tokenizer accepts the text."""
+    if text.isascii():
+        return text
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _as_list(value: Any, what: str, owner: str) -> list:
+    # A bare string would be scored one character at a time.
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{owner}: {what} must be a list, got {type(value).__name__}")
+    return list(value)
 
 
 def completion_text(completion: Any) -> str | None:
@@ -60,10 +86,22 @@ class Reward:
     #: Documented (closed) range of finite scores.
     value_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Options are type-checked against the constructor's annotations
+        # wherever the reward is created (Python, YAML, command line).
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "__checks_options__", False):
+            from storyrl.options import checked_init
+
+            cls.__init__ = checked_init(init, lambda: f"reward {cls.name or cls.__name__!r}")
+
     def __init__(self) -> None:
         # TRL names reward columns after the callable's __name__.
         self.__name__ = self.name
         self.stats = {"scored": 0, "unscorable": 0, "reasons": Counter()}
+        self._ok = 0  # stories whose scoring did not raise
+        self._errors_in_a_row = 0
 
     # -- to implement -----------------------------------------------------
     def _score_batch(self, stories: list[str], **context: Any) -> np.ndarray:
@@ -72,6 +110,17 @@ class Reward:
     def _setup(self) -> None:
         """Load models etc. before scoring. Errors here are the reward's, not
         a story's: they propagate instead of making stories NaN."""
+
+    def setup(self) -> Reward:
+        """Load the reward's models now (otherwise done on first use), so that
+        a failure is reported before any work is done. Raises RewardError."""
+        try:
+            self._setup()
+        except RewardError:
+            raise
+        except Exception as exc:
+            raise RewardError(f"reward {self.name!r}: cannot load: {_one_line(exc)}") from exc
+        return self
 
     def _unscorable(self, reason: str, detail: str = "") -> float:
         """Record why a story gets NaN (counted in ``stats["reasons"]``, the
@@ -86,23 +135,27 @@ class Reward:
     def score(self, stories: Sequence[Any], **context: Any) -> np.ndarray:
         """Score a batch of stories. ``context`` holds per-story sequences
         (e.g. ``images``) aligned with ``stories``; rewards ignore what they do
-        not use. Returns a float64 array, NaN where a story is unscorable."""
-        stories = list(stories)
+        not use. Returns a float64 array, NaN where a story is unscorable.
+
+        Raises TypeError when ``stories`` is not a list, ValueError when a
+        per-story context column has the wrong length, the loading error when
+        the reward's models cannot load, and RewardError when its scoring
+        raises for every story (a broken reward, not bad input)."""
+        stories = _as_list(stories, "stories", self.name)
         out = np.full(len(stories), np.nan)
         valid = [i for i, s in enumerate(stories) if isinstance(s, str)]
         for _ in range(len(stories) - len(valid)):
             self._unscorable("not text")
         if valid:
-            sub = {k: _take(v, valid, len(stories)) for k, v in context.items()}
-            texts = [stories[i] for i in valid]
+            sub = {k: _take(k, v, valid, len(stories)) for k, v in context.items()}
+            texts = [clean_text(stories[i]) for i in valid]
             self._setup()
             try:
                 out[valid] = self._score_batch(texts, **sub)
-            except Exception as exc:  # isolate the story that breaks the batch
-                if len(valid) == 1:
-                    self._unscorable(type(exc).__name__, f"story {valid[0]}: {exc}")
-                else:
-                    out[valid] = self._score_one_by_one(texts, valid, sub)
+                self._ok += len(valid)
+                self._errors_in_a_row = 0
+            except Exception:  # isolate the story that breaks the batch
+                out[valid] = self._score_one_by_one(texts, valid, sub)
         n_bad = int(np.isnan(out).sum())
         self.stats["scored"] += len(stories) - n_bad
         self.stats["unscorable"] += n_bad
@@ -111,15 +164,27 @@ class Reward:
     def _score_one_by_one(self, texts, index, context) -> np.ndarray:
         scores, errors = [], []
         for k, text in enumerate(texts):
-            one = {key: _take(v, [k], len(texts)) for key, v in context.items()}
+            one = {key: _take(key, v, [k], len(texts)) for key, v in context.items()}
             try:
                 scores.append(float(self._score_batch([text], **one)[0]))
+                self._ok += 1
+                self._errors_in_a_row = 0
             except Exception as exc:
                 self._unscorable(type(exc).__name__, f"story {index[k]}: {exc}")
                 errors.append(exc)
                 scores.append(math.nan)
-        if len(errors) == len(texts):  # not bad input: the reward itself is broken
-            raise errors[0]
+                self._errors_in_a_row += 1
+        # Not bad input but a broken reward: a whole batch failed, every story
+        # so far failed, or too many in a row did.
+        if errors and (
+            len(errors) == len(texts) > 1
+            or (self._ok == 0 and self._errors_in_a_row > 1)
+            or self._errors_in_a_row >= MAX_ERRORS_IN_A_ROW
+        ):
+            raise RewardError(
+                f"reward {self.name!r}: scoring failed for {self._errors_in_a_row} stories in a row: "
+                f"{type(errors[-1]).__name__}: {_one_line(errors[-1])}"
+            ) from errors[-1]
         return np.asarray(scores)
 
     def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
@@ -127,7 +192,7 @@ class Reward:
         Dataset columns arrive in ``kwargs`` and are passed on as context."""
         if completions is None:
             raise TypeError(f"{self.name}: called without completions")
-        texts = [completion_text(c) for c in completions]
+        texts = [completion_text(c) for c in _as_list(completions, "completions", self.name)]
         context = {k: v for k, v in kwargs.items() if k not in _TRL_KWARGS}
         scores = self.score(texts, **context)
         log_metric = kwargs.get("log_metric")
@@ -144,10 +209,19 @@ class Reward:
         return {}
 
 
-def _take(value: Any, index: list[int], n: int) -> Any:
-    """Select the per-story entries of a context value (other values pass through)."""
-    if isinstance(value, (list, tuple)) and len(value) == n:
+def _take(key: str, value: Any, index: list[int], n: int) -> Any:
+    """Select the per-story entries of a context column. Lists, tuples and
+    arrays are per-story columns and must have one entry per story (a length
+    mismatch would give a story another story's images); other values pass
+    through unchanged."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim):
+        if len(value) != n:
+            raise ValueError(f"context column {key!r} has {len(value)} entries for {n} stories")
+        if isinstance(value, np.ndarray):
+            return value[index]
         return [value[i] for i in index]
-    if isinstance(value, np.ndarray) and value.ndim and len(value) == n:
-        return value[index]
     return value
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__

@@ -251,7 +251,7 @@ class Coherence(Reward):
         check_run_options(precision, batch_size)
         if max_length < 8:
             raise ValueError(f"max_length must be at least 8, got {max_length}")
-        self.model, self.base_model, self.trust_checkpoint = model, base_model, bool(trust_checkpoint)
+        self.model, self.base_model, self.trust_checkpoint = model, base_model, trust_checkpoint
         self.mode, self.device, self.precision = mode, device, precision
         self.batch_size, self.max_length, self.max_batch_tokens = batch_size, max_length, max_batch_tokens
 

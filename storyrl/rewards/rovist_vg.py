@@ -590,7 +590,7 @@ class RovistVG(RegionReward):
         self.model = str(model) if model else None
         self.glove = str(glove) if glove else None
         self.idf_corpus = idf_corpus
-        self.scaled = bool(scaled)
+        self.scaled = scaled
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
         self._set_region_source(regions, region_table, crops_dir, top_b, grid)
         self.spacy_pipeline = spacy_pipeline

@@ -8,90 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
+
+from storyrl.options import check_type, load_yaml
 
 __all__ = ["TrainConfig"]
 
 _MISSING = dataclasses.MISSING
-
-
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if isinstance(tp, type):
-        return tp.__name__
-    return str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp: Any) -> Any:
-    """Return ``value`` checked against (and, for safe cases, converted to) the
-    annotation ``tp``; raise TypeError with a short reason otherwise."""
-    if tp is Any:
-        return value
-    origin = typing.get_origin(tp)
-    if origin is Union or origin is types.UnionType:
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg)
-            except TypeError as exc:
-                errors.append(str(exc))
-        raise TypeError(errors[0] if len(errors) == 1 else f"expected {_type_name(tp)}, got {value!r}")
-    if origin in (list, tuple):
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            raise TypeError(f"expected a list, got {type(value).__name__} {value!r}")
-        return [_coerce(v, item_tp) for v in value]
-    if origin is dict:
-        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
-        if not isinstance(value, dict):
-            raise TypeError(f"expected a mapping, got {type(value).__name__} {value!r}")
-        return {_coerce(k, key_tp): _coerce(v, value_tp) for k, v in value.items()}
-    if origin is not None:
-        # Another generic (e.g. Literal, set[int]): not checked here; the
-        # dataclass's __post_init__ may check it.
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise TypeError(f"expected true/false, got {type(value).__name__} {value!r}")
-    if tp is int:
-        # bool is an int subclass; `epochs: yes` is almost surely a mistake.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise TypeError(f"expected an integer, got {type(value).__name__} {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            # PyYAML (YAML 1.1) reads `1e-5` (no dot) as a string.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise TypeError(f"expected a number, got {type(value).__name__} {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, os.PathLike):
-            return os.fspath(value)
-        raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise TypeError(f"expected {tp.__name__}, got {type(value).__name__} {value!r}")
-    return value  # an annotation we do not check
 
 
 @dataclass
@@ -113,6 +41,12 @@ class TrainConfig:
     log_every: int = 50
 
     def __post_init__(self) -> None:
+        # Types first (strict, for YAML and Python alike), then values.
+        for key, tp in self._field_types().items():
+            try:
+                setattr(self, key, check_type(getattr(self, key), tp))
+            except TypeError as exc:
+                raise TypeError(f"{type(self).__name__}: key {key!r}: {exc}") from None
         problems = []
         if self.epochs < 1:
             problems.append(f"epochs must be >= 1, got {self.epochs}")
@@ -151,10 +85,7 @@ class TrainConfig:
                     continue
                 if key not in types_:
                     raise ValueError(f"{origin}: unknown key {key!r} for {cls.__name__}; valid keys: {valid}")
-                try:
-                    values[key] = _coerce(value, types_[key])
-                except TypeError as exc:
-                    raise ValueError(f"{origin}: key {key!r}: {exc}") from None
+                values[key] = value
         missing = [
             f.name
             for f in dataclasses.fields(cls)
@@ -164,7 +95,7 @@ class TrainConfig:
             raise ValueError(f"{source}: missing required key(s) {', '.join(map(repr, missing))} for {cls.__name__}")
         try:
             return cls(**values)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"{source}: {exc}") from None
 
     @classmethod
@@ -172,12 +103,7 @@ class TrainConfig:
         """Read a YAML mapping of field values; ``overrides`` (keyword
         arguments, ``None`` = not given) take precedence."""
         path = Path(path)
-        try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ValueError(f"{path}: cannot read: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: invalid YAML: {exc}") from exc
+        data = load_yaml(path)
         if data is None:
             data = {}
         if not isinstance(data, dict):
