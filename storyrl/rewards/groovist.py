@@ -260,12 +260,15 @@ class GROOViST(ClipReward):
             best = cos.argmax(axis=1)
             max_cos = cos[np.arange(len(best)), best]
             weights = np.asarray(self.word_weights.weights(phrases[i]), dtype=np.float64)
+            # The story score comes from groovist_score, the tested formula, so the
+            # reward cannot drift from it; the per-NP scores (for --explain) are
+            # the same groovist_phrase_scores that groovist_score averages.
+            value = groovist_score(max_cos, weights, self.theta, self.penalty, self.bounded)
             scores = groovist_phrase_scores(max_cos, weights, self.theta, self.penalty)
-            value = float(scores.mean())
             regs = story_regions[i]
             out.append(
                 StoryAnalysis(
-                    math.tanh(value) if self.bounded else value,
+                    value,
                     [
                         PhraseScore(p, float(w), float(c), float(s), regs[b].image_index, regs[b].label)
                         for p, w, c, s, b in zip(phrases[i], weights, max_cos, scores, best)
