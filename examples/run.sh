@@ -12,5 +12,5 @@ for set in human model_a model_b; do
 done
 for model in model_a model_b; do
   echo "== d_HM: $model vs human"
-  storyrl dhm --human "$out/human.csv" --model "$out/$model.csv" --metrics "$metrics" --per-story "$out/${model}_dhm.csv"
+  storyrl dhm --human "$out/human.csv" --model "$out/$model.csv" --metrics "$metrics" --per-story "$out/${model}_dhm.csv" --overwrite
 done

@@ -8,18 +8,82 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
 import click
 
 
-def _fail(message: str) -> None:
-    raise click.ClickException(message)
+class CommandError(click.ClickException):
+    """A one-line error ending the command with ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _fail(message: str, exit_code: int = 1) -> None:
+    raise CommandError(message, exit_code)
+
+
+def _debug() -> bool:
+    return os.environ.get("STORYRL_DEBUG", "") not in ("", "0")
+
+
+# Errors whose message already says which file, record, reward or option is at
+# fault; anything else is shown with its type.
+_EXPECTED_ERRORS = ("StoryDataError", "OutputError", "RewardError", "ConfigFileError", "ImageError",
+                    "PipelineNotInstalled")
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an exception: the file and the fault for OS errors, the
+    message for storyrl's own errors, type and message otherwise."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        message = f"{where}{exc.strerror}"
+    else:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, (OSError, ValueError, KeyError)) and type(exc).__name__ not in _EXPECTED_ERRORS:
+        message = f"{type(exc).__name__}: {message}"
+    return message
+
+
+class _Group(click.Group):
+    """Turns every error of a command into one line on stderr and a non-zero
+    exit (130 for Ctrl-C); ``STORYRL_DEBUG=1`` or ``--debug`` adds the
+    traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            if _debug():
+                import traceback
+
+                traceback.print_exc()
+            raise CommandError("interrupted", exit_code=130) from None
+        except Exception as exc:
+            if _debug():
+                import traceback
+
+                traceback.print_exc()
+            raise CommandError(describe_error(exc)) from exc
+
+
+def _set_debug(ctx: click.Context, _param, value: bool) -> bool:
+    if value:
+        os.environ["STORYRL_DEBUG"] = "1"  # also for the subprocesses a command starts
+    return value
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="storyrl")
+@click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
+              help="Show tracebacks (same as STORYRL_DEBUG=1).")
 def main() -> None:
     """storyrl: visual-storytelling metrics as rewards, scores and d_HM tables."""
 
@@ -127,6 +191,44 @@ def _attach_context_files(records, files: dict) -> None:
             setattr(r, key, table[r.story_id])
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b) or a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _check_outputs(
+    outputs: dict[str, Path | None], inputs: list, existing: str,
+    hint: str = "use --resume to continue it or --overwrite to replace it",
+) -> None:
+    """Before any work: no output is an input or another output, none is
+    locked by another writer, unwritable, or (without --resume/--overwrite)
+    already there."""
+    from storyrl.output_files import OutputError, check_output
+
+    named = [(flag, path) for flag, path in outputs.items() if path is not None]
+    for k, (flag, path) in enumerate(named):
+        for source in inputs:
+            if source is not None and _same_file(path, Path(source)):
+                _fail(f"{flag} {path} is also an input file; it would be destroyed: write elsewhere")
+        for other_flag, other in named[:k]:
+            if _same_file(path, other):
+                _fail(f"{flag} and {other_flag} are the same file {path}")
+        try:
+            check_output(path, existing)
+        except OutputError as exc:
+            if str(exc).endswith(": exists"):
+                _fail(f"{path} exists: {hint}")
+            _fail(str(exc))
+
+
+def _ready(rewards) -> None:
+    """Load every reward's models before anything is written."""
+    for reward in rewards:
+        reward.setup()
+
+
 @main.command()
 @click.argument("stories", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--metrics", "-m", default="", help="Comma-separated reward names, e.g. repetition,groovist.")
@@ -137,9 +239,9 @@ def _attach_context_files(records, files: dict) -> None:
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Reward config YAML (configs/rewards/*.yaml); repeatable.",
 )
-@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Score CSV to write.")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Score CSV to write (*.csv).")
 @click.option("--resume", is_flag=True, help="Keep the rows already in OUT and score only the missing stories.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUT.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and --explain file).")
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
@@ -148,13 +250,21 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
     """Score the stories in STORIES (JSON {id: story} or JSONL records) and
     write OUT as CSV: story_id plus one column per metric (empty = unscorable).
     Rows are written as they are scored; --resume continues an interrupted run.
-    Image-based metrics (groovist, clipscore) read each record's images or
-    image_ids (or --image-ids)."""
-    from storyrl.data import ScoreWriter, StoryDataError, load_stories, read_scores
+    OUT is locked while the command runs. Exits non-zero when a metric scored
+    no story. Image-based metrics (groovist, clipscore) read each record's
+    images or image_ids (or --image-ids)."""
+    from storyrl.data import ScoreWriter, load_stories, read_scores
 
     names = _metric_list(metrics)
     if not names and not configs:
         _fail("choose at least one metric (--metrics) or reward config (--config)")
+    if resume and overwrite:
+        _fail("--resume and --overwrite exclude each other")
+    if out.suffix.lower() != ".csv":
+        _fail(f"--out {out}: score tables are CSV files; name it *.csv")
+    inputs = [stories, *configs, *(v for v in reward_kwargs.values() if isinstance(v, Path))]
+    _check_outputs({"--out": out, "--explain": explain}, inputs, "keep" if resume or overwrite else "refuse")
+
     options, context_files = _option_values(reward_kwargs)
     rewards = _make_rewards(names, configs, options)
     explainer = next((r for r in rewards if hasattr(r, "explain")), None)
@@ -163,44 +273,77 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
     columns = [r.name for r in rewards]
     if len(set(columns)) != len(columns):
         _fail(f"a metric is requested twice: {columns}")
-    if resume and overwrite:
-        _fail("--resume and --overwrite exclude each other")
-    if out.exists() and out.stat().st_size and not (resume or overwrite):
-        _fail(f"{out} exists: use --resume to continue it or --overwrite to replace it")
-    try:
-        records = load_stories(stories)
-        _attach_context_files(records, context_files)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        writer = ScoreWriter(out, columns, append=resume)
-    except StoryDataError as exc:
-        _fail(str(exc))
-    todo = [r for r in records if r.story_id not in writer.done]
-    explain_file = explain.open("a" if resume else "w", encoding="utf-8") if explain is not None else None
-    if writer.done:
-        click.echo(f"resuming {out}: {len(records) - len(todo)} of {len(records)} stories already scored", err=True)
+    records = load_stories(stories)
+    _attach_context_files(records, context_files)
+    _ready(rewards)
 
+    with ScoreWriter(out, columns, resume=resume, overwrite=overwrite) as writer:
+        todo = [r for r in records if r.story_id not in writer.done]
+        if writer.done:
+            click.echo(f"resuming {out}: {len(records) - len(todo)} of {len(records)} stories already scored", err=True)
+        explain_file = _open_explain(explain, writer.done, resume) if explain is not None else None
+        try:
+            _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer)
+        finally:
+            if explain_file is not None:
+                explain_file.close()
+
+    table = read_scores(out)
+    scored = _print_summary(table, columns)
+    for reward in rewards:
+        for reason, count in reward.stats["reasons"].most_common():
+            click.echo(f"{reward.name}: {count} unscorable: {reason}", err=True)
+    empty = [m for m in columns if not scored[m]]
+    if empty:
+        _fail(f"no story could be scored for {', '.join(empty)} ({len(table.ids)} stories in {out})")
+
+
+def _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer) -> None:
     from tqdm import tqdm
 
-    with writer, tqdm(total=len(todo), unit="story", disable=quiet, file=sys.stderr) as bar:
+    with tqdm(total=len(todo), unit="story", disable=quiet, file=sys.stderr) as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             context = _context(batch)
             texts = [r.story for r in batch]
             scores = {r.name: r.score(texts, **context) for r in rewards}
             if explain_file is not None:
-                for record, details in zip(batch, explainer.explain(texts, **context)):
-                    explain_file.write(json.dumps({"story_id": record.story_id, **details}) + "\n")
-                explain_file.flush()
+                # Before the score rows: a story in OUT always has its explain
+                # line (resume drops explain lines of stories not in OUT).
+                lines = explainer.explain(texts, **context)
+                explain_file.write("".join(
+                    json.dumps({"story_id": record.story_id, **details}) + "\n" for record, details in zip(batch, lines)
+                ))
             writer.write([r.story_id for r in batch], scores)
             bar.update(len(batch))
-    if explain_file is not None:
-        explain_file.close()
 
-    table = read_scores(out)
-    _print_summary(table, columns)
-    for reward in rewards:
-        for reason, count in reward.stats["reasons"].most_common():
-            click.echo(f"{reward.name}: {count} unscorable: {reason}", err=True)
+
+def _open_explain(path: Path, done: set[str], resume: bool):
+    """The --explain JSONL file, locked; on resume it keeps exactly one line
+    for each story already in OUT (a kill can leave lines of a batch whose
+    scores were not written, or half a line)."""
+    from storyrl.data import StoryDataError
+    from storyrl.output_files import LockedOutput
+
+    out = LockedOutput(path, "keep" if resume else "truncate")
+    try:
+        complete, partial = out.read()
+        kept, seen = [], set()
+        for lineno, line in enumerate(complete.splitlines(keepends=True), 1):
+            try:
+                sid = json.loads(line)["story_id"]
+            except (ValueError, TypeError, KeyError):
+                raise StoryDataError(path, "not an explain record (JSON object with story_id)", f"at line {lineno}") from None
+            if sid in done and sid not in seen:
+                kept.append(line)
+                seen.add(sid)
+        text = "".join(kept)
+        if partial or text != complete:
+            out.replace(text)
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 def _context(batch) -> dict:
@@ -213,16 +356,20 @@ def _context(batch) -> dict:
     return context
 
 
-def _print_summary(table, columns) -> None:
+def _print_summary(table, columns) -> dict[str, int]:
+    """Print stories / scored / unscorable / mean per metric; returns the
+    number of scored stories per metric."""
     from tabulate import tabulate
 
-    rows = []
+    rows, scored = [], {}
     for metric in columns:
         values = [table.scores[metric][sid] for sid in table.ids]
         finite = [v for v in values if math.isfinite(v)]
         mean = sum(finite) / len(finite) if finite else math.nan
         rows.append([metric, len(values), len(finite), len(values) - len(finite), mean])
+        scored[metric] = len(finite)
     click.echo(tabulate(rows, headers=["metric", "stories", "scored", "unscorable", "mean"], floatfmt=".4f"))
+    return scored
 
 
 def _read_tables(specs: tuple[str, ...], which: str):
@@ -249,13 +396,19 @@ def _read_tables(specs: tuple[str, ...], which: str):
 @click.option("--model", multiple=True, required=True, help="Model score table: PATH or METRIC=PATH; repeatable.")
 @click.option("--metrics", default=None, help="Dimensions to use: any of groovist,coherence,repetition (default: all present).")
 @click.option("--per-story", type=click.Path(dir_okay=False, path_type=Path), help="Write per-story distances to this CSV.")
-def dhm(human, model, metrics, per_story) -> None:
+@click.option("--overwrite", is_flag=True, help="Replace an existing --per-story file.")
+def dhm(human, model, metrics, per_story, overwrite) -> None:
     """d_HM between human and model stories; prints JSON
-    {"n", <dimension distances>, "d_hm"}. groovist columns hold raw GROOViST
-    scores (grounding uses their tanh)."""
+    {"n", <dimension distances>, "d_hm"} (null where no story counts, and then
+    exits non-zero). groovist columns hold raw GROOViST scores (grounding uses
+    their tanh)."""
     from storyrl.data import write_scores
     from storyrl.eval import dhm as compute_dhm
 
+    if per_story is not None:
+        inputs = [spec.partition("=")[2] or spec for spec in (*human, *model)]
+        _check_outputs({"--per-story": per_story}, inputs, "keep" if overwrite else "refuse",
+                       hint="use --overwrite to replace it")
     human_table = _read_tables(human, "human")
     model_table = _read_tables(model, "model")
     try:
@@ -264,9 +417,12 @@ def dhm(human, model, metrics, per_story) -> None:
         _fail(str(exc))
     if result.n_excluded:
         click.echo(f"{result.n_excluded} stories left out: a selected score is missing or unscorable", err=True)
+    click.echo(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                           for k, v in result.summary().items()}))
+    if not result.n:
+        _fail("no story has every selected score finite in both tables: d_HM is undefined")
     if per_story is not None:
-        write_scores(per_story, result.story_ids, result.per_story)
-    click.echo(json.dumps(result.summary()))
+        write_scores(per_story, result.story_ids, result.per_story, overwrite=overwrite)
 
 
 @main.command("groovist-calibrate")

@@ -18,6 +18,7 @@ record and the problem; nothing is dropped silently.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -37,6 +38,8 @@ __all__ = [
     "save_stories",
     "read_scores",
     "write_scores",
+    "parse_score_csv",
+    "check_story_ids",
     "load_vist_sis",
     "load_vwp",
     "METRIC_ALIASES",
@@ -99,7 +102,14 @@ def load_stories(path: str | os.PathLike) -> list[StoryRecord]:
     except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
     if path.suffix == ".jsonl":
-        return _parse_jsonl(text, path)
+        records = _parse_jsonl(text, path)
+    else:
+        records = _parse_json_object(text, path)
+    check_story_ids((r.story_id for r in records), path)
+    return records
+
+
+def _parse_json_object(text: str, path: Path) -> list[StoryRecord]:
     try:
         data = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
     except json.JSONDecodeError as exc:
@@ -252,15 +262,30 @@ def read_scores(path: str | os.PathLike, metric: str | None = None) -> ScoreTabl
             column[sid] = math.nan if value is None else float(value)
         return ScoreTable(list(column), {metric: column})
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            rows = list(csv.reader(fh))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
+    return parse_score_csv(text, path, metric)
+
+
+def parse_score_csv(
+    text: str, path: str | os.PathLike, metric: str | None = None, header: Sequence[str] | None = None
+) -> ScoreTable:
+    """Parse and validate a score CSV's text: the header (equal to ``header``
+    when given), the cell count of every row, every score cell (a number,
+    empty or ``nan``) and unique story ids. Errors name the file and line."""
+    path = Path(path)
+    try:
+        rows = list(csv.reader(io.StringIO(text, newline="")))
+    except csv.Error as exc:
+        raise StoryDataError(path, f"malformed CSV: {exc}") from None
+    if header is not None and rows and rows[0] != list(header):
+        raise StoryDataError(path, f"header {rows[0]} differs from {list(header)}", "at line 1")
     if not rows or "story_id" not in rows[0]:
         raise StoryDataError(path, "a score CSV needs a header with a 'story_id' column")
-    header = rows[0]
-    id_col = header.index("story_id")
-    value_cols = [(k, METRIC_ALIASES.get(name, name)) for k, name in enumerate(header) if k != id_col]
+    columns = rows[0]
+    id_col = columns.index("story_id")
+    value_cols = [(k, METRIC_ALIASES.get(name, name)) for k, name in enumerate(columns) if k != id_col]
     if metric is not None:
         if len(value_cols) != 1:
             raise StoryDataError(path, f"METRIC={path} needs a CSV with exactly one score column")
@@ -270,8 +295,8 @@ def read_scores(path: str | os.PathLike, metric: str | None = None) -> ScoreTabl
     for lineno, row in enumerate(rows[1:], 2):
         if not row:
             continue
-        if len(row) != len(header):
-            raise StoryDataError(path, f"expected {len(header)} cells, got {len(row)}", f"at line {lineno}")
+        if len(row) != len(columns):
+            raise StoryDataError(path, f"expected {len(columns)} cells, got {len(row)}", f"at line {lineno}")
         sid = row[id_col]
         where = f"{sid!r} at line {lineno}"
         if sid in seen:
@@ -287,45 +312,84 @@ def _format_score(value: float) -> str:
     return "" if value is None or math.isnan(value) else repr(float(value))
 
 
-class ScoreWriter:
-    """Append rows to a score CSV as they are computed (flushed each write),
-    so an interrupted run keeps everything scored so far."""
+def _csv_text(rows: Iterable[Sequence[str]]) -> str:
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(rows)
+    return buffer.getvalue()
 
-    def __init__(self, path: str | os.PathLike, metrics: Sequence[str], append: bool = False) -> None:
+
+def _score_rows(ids: Sequence[str], columns: Mapping[str, Sequence[float]], metrics: Sequence[str]):
+    return ([sid, *(_format_score(columns[m][k]) for m in metrics)] for k, sid in enumerate(ids))
+
+
+#: The csv module refuses to read a cell longer than this (its default limit).
+MAX_CELL_CHARS = csv.field_size_limit()
+
+
+def check_story_ids(ids: Iterable[str], source: str | os.PathLike) -> None:
+    """Story ids must survive a score table: valid Unicode text (no lone
+    surrogates, which UTF-8 cannot encode) no longer than the csv module reads
+    back. StoryDataError naming ``source`` and the story otherwise."""
+    for sid in ids:
+        try:
+            sid.encode("utf-8")
+        except UnicodeEncodeError:
+            raise StoryDataError(
+                source, "story id contains a lone surrogate (not valid Unicode text)", repr(sid)[:80]
+            ) from None
+        if len(sid) > MAX_CELL_CHARS:
+            raise StoryDataError(
+                source, f"story id is {len(sid)} characters long; score tables hold ids of at most {MAX_CELL_CHARS}",
+                repr(sid[:40]) + "...",
+            )
+
+
+class ScoreWriter:
+    """Append rows to a score CSV as they are computed, each flushed at once,
+    so that a killed run keeps everything scored so far.
+
+    The file is locked for the writer's lifetime (a second writer fails at
+    once). With ``resume`` an existing file is validated first (header equal
+    to ``story_id`` + ``metrics``, cell counts, numeric cells; an error names
+    the line), then a row cut by a kill is dropped by an atomic rewrite; the
+    ids already there are in :attr:`done`. ``overwrite`` empties an existing
+    file; with neither, an existing non-empty file is an error.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, metrics: Sequence[str], resume: bool = False, overwrite: bool = False
+    ) -> None:
+        from storyrl.output_files import LockedOutput
+
+        if resume and overwrite:
+            raise ValueError("resume and overwrite exclude each other")
         self.path = Path(path)
         self.metrics = list(metrics)
-        #: story ids already in the file (when appending)
+        self.header = ["story_id", *self.metrics]
+        #: story ids already in the file (when resuming)
         self.done: set[str] = set()
-        exists = append and self.path.exists() and self.path.stat().st_size > 0
-        if exists:
-            self._ensure_trailing_newline()
-            with self.path.open(newline="", encoding="utf-8") as fh:
-                reader = csv.reader(fh)
-                header = next(reader, None)
-                if header != ["story_id", *self.metrics]:
-                    raise StoryDataError(
-                        self.path, f"cannot resume: header {header} differs from {['story_id', *self.metrics]}"
-                    )
-                self.done = {row[0] for row in reader if row}
-        self._fh = self.path.open("a" if exists else "w", newline="", encoding="utf-8")
-        self._csv = csv.writer(self._fh)
-        if not exists:
-            self._csv.writerow(["story_id", *self.metrics])
-            self._fh.flush()
-
-    def _ensure_trailing_newline(self) -> None:
-        # A run killed mid-write may leave a partial last line: drop it.
-        data = self.path.read_bytes()
-        if data and not data.endswith(b"\n"):
-            self.path.write_bytes(data[: data.rfind(b"\n") + 1])
+        self._out = LockedOutput(self.path, "keep" if resume else "truncate" if overwrite else "refuse")
+        try:
+            complete, partial = self._out.read()
+            if complete:
+                try:
+                    self.done = set(parse_score_csv(complete, self.path, header=self.header).ids)
+                except StoryDataError as exc:
+                    raise StoryDataError(self.path, f"cannot resume: {exc.problem}", exc.record) from None
+            if partial:
+                self._out.replace(complete)  # after validation: never drops a row of a refused file
+            if not complete:
+                self._out.write(_csv_text([self.header]))
+        except BaseException:
+            self._out.close()
+            raise
 
     def write(self, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
-        for k, sid in enumerate(ids):
-            self._csv.writerow([sid, *(_format_score(columns[m][k]) for m in self.metrics)])
-        self._fh.flush()
+        """Append one row per story id (flushed before returning)."""
+        self._out.write(_csv_text(_score_rows(ids, columns, self.metrics)))
 
     def close(self) -> None:
-        self._fh.close()
+        self._out.close()
 
     def __enter__(self) -> ScoreWriter:
         return self
@@ -334,10 +398,16 @@ class ScoreWriter:
         self.close()
 
 
-def write_scores(path: str | os.PathLike, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
-    """Write a whole score table as CSV."""
-    with ScoreWriter(path, list(columns)) as writer:
-        writer.write(ids, columns)
+def write_scores(
+    path: str | os.PathLike, ids: Sequence[str], columns: Mapping[str, Sequence[float]], overwrite: bool = False
+) -> None:
+    """Write a whole score table as CSV, atomically and under the file's lock;
+    an existing non-empty file is replaced only with ``overwrite``."""
+    from storyrl.output_files import replace_file
+
+    metrics = list(columns)
+    text = _csv_text([["story_id", *metrics], *_score_rows(ids, columns, metrics)])
+    replace_file(path, text, overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import math
 import os
 import sys
@@ -546,27 +547,36 @@ def _row_image_id(line: str) -> str | None:
     return fields[1] if len(fields) >= 2 else None
 
 
-def _done_images(out_csv: Path) -> set[str]:
-    """Image ids already in ``out_csv``; repairs a file cut mid-row by a crash."""
-    if not out_csv.exists() or out_csv.stat().st_size == 0:
+def _done_images(out) -> set[str]:
+    """Image ids already in a region table (a :class:`LockedOutput`). The
+    whole file is validated first (header, cell counts; errors name the
+    line); a file cut mid-row by a kill is then repaired atomically, dropping
+    the last image's rows, which may be incomplete, so it is detected again."""
+    from storyrl.data import StoryDataError
+
+    complete, partial = out.read()
+    lines = complete.splitlines(keepends=True)
+    if not lines:
         return set()
-    text = out_csv.read_text(encoding="utf-8")
-    header = next(csv.reader([text.splitlines()[0]]), [])
+    header = next(csv.reader([lines[0]]), [])
     if [c.strip() for c in header] != list(DETECTION_CSV_COLUMNS):
-        raise ValueError(
-            f"{out_csv}: exists with header {header!r}, not {list(DETECTION_CSV_COLUMNS)!r}; refusing to append"
+        raise StoryDataError(
+            out.path, f"header {header!r} is not {list(DETECTION_CSV_COLUMNS)!r}; refusing to append", "at line 1"
         )
-    if not text.endswith("\n"):
-        # Interrupted write: the last image's rows may be incomplete, so drop them
-        # (and the partial line) and detect that image again.
-        lines = text.splitlines(keepends=True)
-        partial, complete = lines[-1], lines[1:-1]
-        drop = {_row_image_id(line) for line in complete[-1:] + [partial]} - {None}
-        kept = [line for line in complete if _row_image_id(line) not in drop]
-        out_csv.write_text(lines[0] + "".join(kept), encoding="utf-8")
-        text = out_csv.read_text(encoding="utf-8")
-    rows = csv.DictReader(text.splitlines())
-    return {row["image_id"] for row in rows if row.get("image_id")}
+    ids = []
+    for lineno, line in enumerate(lines[1:], 2):
+        fields = next(csv.reader([line]), [])
+        if len(fields) != len(DETECTION_CSV_COLUMNS):
+            raise StoryDataError(
+                out.path, f"expected {len(DETECTION_CSV_COLUMNS)} cells, got {len(fields)}", f"at line {lineno}"
+            )
+        ids.append(fields[1])
+    if partial:
+        drop = set(ids[-1:]) | {_row_image_id(partial)} - {None}
+        kept = [line for line, image_id in zip(lines[1:], ids) if image_id not in drop]
+        out.replace(lines[0] + "".join(kept))
+        ids = [i for i in ids if i not in drop]
+    return set(ids)
 
 
 def _read_tensor(path: str):
@@ -625,16 +635,21 @@ def detect_regions(
         looked = "the weights file" if weights is not None else "torchvision's cached COCO checkpoint"
         raise FileNotFoundError(f"Faster R-CNN weights not found: looked for {looked} {weights_path}; {how}")
 
-    out_path = Path(out_csv)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _done_images(out_path)
-    todo = [p for p in paths if Path(p).stem not in done]
-    new_file = not out_path.exists() or out_path.stat().st_size == 0
-    if not todo:  # all done: do not pay for loading the model
-        if new_file:
-            out_path.write_text(",".join(DETECTION_CSV_COLUMNS) + "\n", encoding="utf-8")
-        return out_path
+    from storyrl.output_files import LockedOutput
 
+    out_path = Path(out_csv)
+    with LockedOutput(out_path, "keep") as out:  # locked until the table is written
+        if not out.read()[0]:
+            out.replace(",".join(DETECTION_CSV_COLUMNS) + "\n")
+        done = _done_images(out)
+        todo = [p for p in paths if Path(p).stem not in done]
+        if todo:  # all done: do not pay for loading the model
+            _detect_into(out, todo, weights_path, top_b, score_threshold, device, batch_size, progress, model_kwargs)
+    return out_path
+
+
+def _detect_into(out, todo, weights_path, top_b, score_threshold, device, batch_size, progress, model_kwargs) -> None:
+    """Run the detector over ``todo`` and append its rows to ``out``."""
     import torch
     import torchvision  # noqa: F401  (storyrl's import hook makes this work without compiled ops)
     from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, fasterrcnn_resnet50_fpn
@@ -663,28 +678,21 @@ def detect_regions(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     model.eval().to(device)
 
-    with (
-        open(out_path, "a", newline="", encoding="utf-8") as f,
-        tqdm(total=len(todo), file=sys.stderr, disable=not progress, unit="img", desc="detecting regions") as bar,
-    ):
-        writer = csv.writer(f, lineterminator="\n")
-        if new_file:
-            writer.writerow(DETECTION_CSV_COLUMNS)
-            f.flush()
+    with tqdm(total=len(todo), file=sys.stderr, disable=not progress, unit="img", desc="detecting regions") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             tensors = [_read_tensor(p).to(device) for p in batch]
             with torch.inference_mode():
                 outputs = model(tensors)
             rows = []
-            for path, out in zip(batch, outputs):
-                scores = out["scores"].float().cpu()
+            for path, detection in zip(batch, outputs):
+                scores = detection["scores"].float().cpu()
                 order = torch.argsort(scores, descending=True, stable=True)[:top_b]
-                boxes, labels = out["boxes"].float().cpu()[order], out["labels"].cpu()[order]
+                boxes, labels = detection["boxes"].float().cpu()[order], detection["labels"].cpu()[order]
                 for box, label, score in zip(boxes.tolist(), labels.tolist(), scores[order].tolist()):
                     obj = names[label] if names is not None and 0 <= label < len(names) else str(label)
                     rows.append((Path(path).name, Path(path).stem, _format_bbox(box), obj, round(score, 6)))
-            writer.writerows(rows)
-            f.flush()  # a crash loses at most the current batch
+            buffer = io.StringIO()
+            csv.writer(buffer, lineterminator="\n").writerows(rows)
+            out.write(buffer.getvalue())  # flushed: a kill loses at most the current batch
             bar.update(len(batch))
-    return out_path

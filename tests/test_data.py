@@ -104,12 +104,12 @@ def test_malformed_score_csv(tmp_path, content, message):
 def test_score_writer_resume_drops_partial_line(tmp_path):
     path = tmp_path / "s.csv"
     path.write_text("story_id,repetition\na,0.5\nb,0.7\nc,0.")  # killed mid-row
-    with ScoreWriter(path, ["repetition"], append=True) as writer:
+    with ScoreWriter(path, ["repetition"], resume=True) as writer:
         assert writer.done == {"a", "b"}
         writer.write(["c"], {"repetition": [0.25]})
     assert read_scores(path).scores["repetition"] == {"a": 0.5, "b": 0.7, "c": 0.25}
     with pytest.raises(StoryDataError, match="cannot resume"):
-        ScoreWriter(path, ["coherence"], append=True)
+        ScoreWriter(path, ["coherence"], resume=True)
 
 
 def test_vist_sis_loader(tmp_path):
