@@ -296,3 +296,41 @@ def test_train_command_line(tmp_path):
     assert again.exit_code == 0, again.output
     bad = runner.invoke(main, ["train", "coherence", "--config", str(stories)])
     assert bad.exit_code != 0 and str(stories) in bad.output
+
+
+def test_train_command_line_output_dir(tmp_path):
+    """`--output-dir` replaces the config's output_dir for everything the run
+    writes, and `--resume` looks there: a `--max-steps` stop inside the epoch,
+    then a resume that finishes it."""
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    start = tmp_path / "start"
+    tiny_model().save_pretrained(start, make_tokenizer())
+    stories = tmp_path / "stories.json"
+    stories.write_text(json.dumps(synthetic_stories(12)))
+    in_config, chosen = tmp_path / "from_config", tmp_path / "chosen"
+    config = tmp_path / "train.yaml"
+    config.write_text(
+        f"output_dir: {in_config}\nstories: [{stories}]\ninit_from: {start}\nepochs: 1\nbatch_size: 8\nlr: 0.001\n"
+    )
+    runner = CliRunner()
+    args = ["train", "coherence", "--config", str(config), "--output-dir", str(chosen), "-q"]
+    stopped = runner.invoke(main, [*args, "--max-steps", "2"], catch_exceptions=False)
+    assert stopped.exit_code == 0, stopped.output
+    assert json.loads(stopped.output.strip().splitlines()[-1])["output_dir"] == str(chosen)
+    assert not in_config.exists()
+    assert (chosen / "last" / "trainer_state.json").is_file()
+    assert CoherenceTrainConfig.from_yaml(chosen / "config.yaml").output_dir == str(chosen)
+    (record,) = [json.loads(line) for line in (chosen / "history.jsonl").read_text().splitlines()]
+    assert record["step"] == 2 and record["partial"] is True
+
+    resumed = runner.invoke(main, [*args, "--resume"], catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
+    summary = json.loads(resumed.output.strip().splitlines()[-1])
+    assert summary["output_dir"] == str(chosen) and summary["epochs_run"] == 1
+    assert not in_config.exists()
+    (record,) = [json.loads(line) for line in (chosen / "history.jsonl").read_text().splitlines()]
+    assert record["step"] > 2 and "partial" not in record
+    assert (chosen / "best" / "storyrl_coherence.json").is_file()

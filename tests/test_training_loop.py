@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import storyrl  # noqa: F401  (before torch/accelerate: CPU torchvision fallback)
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from storyrl.training import loop
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
 
@@ -112,17 +115,29 @@ def test_early_stopping(tmp_path):
     assert result.stopped_early
     assert result.epochs_run == 2 and result.best_epoch == 1
     assert len(read_history(cfg)) == 2
-    assert saves == [tmp_path / "run" / "best"]
+    # save_fn writes aside; best.tmp is swapped in as best/ when it exists.
+    assert saves == [tmp_path / "run" / "best.tmp"]
 
 
 def test_max_steps(tmp_path):
+    # 64 / 8 = 8 batches an epoch: step 3 is inside epoch 1.
     cfg = config(tmp_path, epochs=3, batch_size=8, max_steps=3)
     result = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
-    assert result.epochs_run == 1
+    assert result.epochs_run == 0 and result.best_epoch == 0  # no epoch completed
     (record,) = read_history(cfg)
-    assert record["step"] == 3
-    assert math.isfinite(record["val_loss"])
+    assert record["step"] == 3 and record["epoch"] == 1 and record["partial"] is True
+    assert math.isfinite(record["val_loss"])  # validated all the same
+    assert result.history == [record]
     assert (tmp_path / "run" / "last" / "trainer_state.json").is_file()
+    assert not (tmp_path / "run" / "best").exists()  # best/ is for complete epochs
+
+    # A stop on an epoch's last batch completes the epoch.
+    cfg = config(tmp_path / "whole", epochs=3, batch_size=8, max_steps=8)
+    result = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    assert result.epochs_run == 1 and result.best_epoch == 1
+    (record,) = read_history(cfg)
+    assert record["step"] == 8 and "partial" not in record
+    assert (tmp_path / "whole" / "run" / "best" / "model.pt").is_file()
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
@@ -154,6 +169,164 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     # Resuming a finished run trains nothing more.
     again = fit(make_model(seed=5, dropout=0.3), train, val, cfg_b4, classify_step, resume=True, progress=False)
     assert again.epochs_run == 4 and len(again.history) == 4
+
+
+def without_seconds(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in history]
+
+
+def assert_same_weights(a: torch.nn.Module | dict, b: torch.nn.Module | dict) -> None:
+    sa = a if isinstance(a, dict) else a.state_dict()
+    sb = b if isinstance(b, dict) else b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def best_weights(cfg: TrainConfig) -> dict:
+    return torch.load(f"{cfg.output_dir}/best/model.pt", weights_only=True)
+
+
+def test_resume_after_max_steps_mid_epoch_matches_uninterrupted_run(tmp_path):
+    # 96 / 16 = 6 batches an epoch. The stops: inside epoch 1, at the end of
+    # epoch 1, inside epoch 2 (twice), then to the end.
+    train, val = blobs(96, 1), blobs(32, 2)
+    straight = make_model(dropout=0.3)  # dropout: the RNG must line up too
+    cfg_a = config(tmp_path / "a", epochs=3)
+    fit(straight, train, val, cfg_a, classify_step, progress=False)
+    expected = without_seconds(read_history(cfg_a))
+
+    cfg = config(tmp_path / "b", epochs=3, max_steps=4)
+    first = fit(make_model(dropout=0.3), train, val, cfg, classify_step, progress=False)
+    assert first.epochs_run == 0
+    (partial,) = read_history(cfg)
+    assert (partial["epoch"], partial["step"], partial["partial"]) == (1, 4, True)
+    assert partial["lr"] == expected[0]["lr"]
+
+    for i, max_steps in enumerate([6, 8, 11, None]):
+        # A differently initialised model: everything must come from the checkpoint.
+        model = make_model(seed=100 + i, dropout=0.3)
+        cfg = config(tmp_path / "b", epochs=3, max_steps=max_steps)
+        result = fit(model, train, val, cfg, classify_step, resume=True, progress=False)
+        history = read_history(cfg)
+        assert history == result.history
+        done = [r for r in history if not r.get("partial")]
+        assert without_seconds(done) == expected[: len(done)]
+        assert result.epochs_run == len(done)
+        if max_steps in (8, 11):
+            assert history[-1]["partial"] is True and history[-1]["step"] == max_steps
+        else:
+            assert "partial" not in history[-1]
+    assert [r["step"] for r in history] == [6, 12, 18]
+    assert without_seconds(history) == expected
+    assert_same_weights(straight, model)
+    assert_same_weights(best_weights(cfg_a), best_weights(cfg))
+
+
+class Crash(Exception):
+    """A simulated kill at one point of the loop's file operations."""
+
+
+def crash_on_rename(monkeypatch, src_name: str, nth: int) -> None:
+    """Make the loop's ``nth`` os.replace of a path named ``src_name`` fail."""
+    calls = []
+
+    class FakeOs:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def replace(src, dst):
+            if Path(src).name == src_name:
+                calls.append(src)
+                if len(calls) == nth:
+                    raise Crash(f"killed renaming {src} -> {dst}")
+            os.replace(src, dst)
+
+    monkeypatch.setattr(loop, "os", FakeOs())
+
+
+def test_resume_falls_back_to_last_old_and_rewrites_history(tmp_path, monkeypatch):
+    train, val = blobs(96, 1), blobs(32, 2)
+    straight = make_model(dropout=0.3)
+    cfg_a = config(tmp_path / "a", epochs=4)
+    fit(straight, train, val, cfg_a, classify_step, progress=False)
+
+    # Killed while swapping in epoch 3's checkpoint: last/ is already last.old,
+    # last.tmp not yet last/. history.jsonl has epoch 3, the checkpoint has not.
+    cfg = config(tmp_path / "b", epochs=4)
+    run = tmp_path / "b" / "run"
+    crash_on_rename(monkeypatch, "last.tmp", nth=3)
+    with pytest.raises(Crash):
+        fit(make_model(dropout=0.3), train, val, cfg, classify_step, progress=False)
+    monkeypatch.undo()
+    assert not (run / "last").exists() and (run / "last.old" / "trainer_state.json").is_file()
+    assert [r["epoch"] for r in read_history(cfg)] == [1, 2, 3]
+
+    model = make_model(seed=7, dropout=0.3)
+    result = fit(model, train, val, cfg, classify_step, resume=True, progress=False)
+    assert result.epochs_run == 4
+    # Epoch 3 was trained again from last.old, its record rewritten (not repeated).
+    assert [r["epoch"] for r in read_history(cfg)] == [1, 2, 3, 4]
+    assert without_seconds(read_history(cfg)) == without_seconds(read_history(cfg_a))
+    assert_same_weights(straight, model)
+    assert (run / "last").is_dir() and not (run / "last.old").exists() and not (run / "last.tmp").exists()
+
+
+
+def test_resume_restores_best_old(tmp_path, monkeypatch):
+    train, val = blobs(96, 1), blobs(32, 2)
+    straight = make_model(dropout=0.3)
+    cfg_a = config(tmp_path / "a", epochs=3)
+    fit(straight, train, val, cfg_a, classify_step, progress=False)
+    cfg_1 = config(tmp_path / "one", epochs=1)
+    fit(make_model(dropout=0.3), train, val, cfg_1, classify_step, progress=False)
+
+    # Killed while replacing best/ by epoch 2's (epoch 1's save had no best/
+    # to replace, so its rename of best.tmp is the first).
+    cfg = config(tmp_path / "b", epochs=3)
+    run = tmp_path / "b" / "run"
+    crash_on_rename(monkeypatch, "best.tmp", nth=2)
+    with pytest.raises(Crash):
+        fit(make_model(dropout=0.3), train, val, cfg, classify_step, progress=False)
+    monkeypatch.undo()
+    assert not (run / "best").exists() and (run / "best.old").is_dir() and (run / "best.tmp").is_dir()
+
+    # Resuming where there is nothing left to train (the checkpoint is epoch 1's)
+    # puts best.old back: the best/ that goes with the checkpoint.
+    done = fit(make_model(seed=3), train, val, config(tmp_path / "b", epochs=1), classify_step,
+               resume=True, progress=False)
+    assert done.epochs_run == 1 and done.best_epoch == 1
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("best")) == ["best"]
+    assert_same_weights(best_weights(cfg_1), best_weights(cfg))
+    assert without_seconds(read_history(cfg)) == without_seconds(read_history(cfg_1))
+
+    model = make_model(seed=4, dropout=0.3)
+    fit(model, train, val, cfg, classify_step, resume=True, progress=False)
+    assert without_seconds(read_history(cfg)) == without_seconds(read_history(cfg_a))
+    assert_same_weights(straight, model)
+    assert_same_weights(best_weights(cfg_a), best_weights(cfg))
+
+
+def test_failed_save_keeps_previous_best(tmp_path):
+    cfg = config(tmp_path, epochs=2)
+    calls = []
+
+    def save(model, directory):
+        calls.append(directory)
+        directory.mkdir(parents=True)
+        (directory / "model.pt").write_bytes(b"half")  # written, then killed
+        if len(calls) == 2:
+            raise Crash("killed in save_fn")
+        torch.save(model.state_dict(), directory / "model.pt")
+
+    with pytest.raises(Crash):
+        fit(make_model(), blobs(96, 1), blobs(32, 2), cfg, classify_step, save_fn=save, progress=False)
+    assert len(calls) == 2  # epoch 2 improved too
+    model = make_model()
+    fit(model, blobs(96, 1), blobs(32, 2), config(tmp_path / "one", epochs=1), classify_step, progress=False)
+    assert (tmp_path / "run" / "best" / "model.pt").read_bytes() != b"half"
+    assert_same_weights(model, best_weights(cfg))  # epoch 1's best/, whole
 
 
 def test_mixed_precision_bf16_on_cpu(tmp_path):

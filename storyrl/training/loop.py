@@ -7,17 +7,27 @@ runs on CPU, one GPU, or several GPUs under ``accelerate launch``.
 
 Output directory layout::
 
-    history.jsonl   one JSON record per epoch
+    history.jsonl   one JSON record per epoch (the last one marked
+                    ``"partial": true`` when max_steps stopped inside an epoch)
     best/           save_fn's output for the epoch with the lowest val loss
     last/           accelerate checkpoint + trainer_state.json (resume)
+    last.old/, best.old/   the previous version, present only when a crash
+                    interrupted its replacement; resume falls back to them
+
+A ``max_steps`` stop inside an epoch checkpoints the position in that epoch
+(batches done, the epoch's running train totals, the RNG state after the last
+step); resume finishes the epoch from there, so an interrupted and resumed run
+trains on the same batches, in the same order, as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import os
+import random
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -110,6 +120,12 @@ class _Totals:
         self.n = 0
         self.metrics: dict[str, float] = {}
 
+    @classmethod
+    def restore(cls, saved: Mapping[str, Any]) -> "_Totals":
+        totals = cls()
+        totals.loss, totals.n, totals.metrics = saved["loss"], int(saved["n"]), dict(saved["metrics"])
+        return totals
+
     def add(self, loss: torch.Tensor, n: int, metrics: Mapping[str, Any]) -> None:
         self.loss += float(loss.detach().float().item()) * n
         self.n += n
@@ -161,16 +177,35 @@ def _metric_keys(accelerator, local: Mapping[str, float]) -> list[str]:
 
 
 def _swap_in(tmp: Path, final: Path) -> None:
-    """Replace directory ``final`` by ``tmp`` so that a crash at any point
-    leaves either the old or the new one (``final``.old) intact."""
+    """Replace directory ``final`` by the complete ``tmp`` so that a crash at
+    any point leaves the old (``final``.old) or the new one intact."""
     old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
     if final.exists():
+        # final only ever appears by this rename, so it is complete and any
+        # .old left by an earlier crash is stale.
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(final, old)
+    # Otherwise an earlier crash came between the two renames: .old is the
+    # only complete copy, kept until tmp is in place.
     os.replace(tmp, final)
     if old.exists():
         shutil.rmtree(old)
+
+
+def _restore_best(output_dir: Path) -> None:
+    """On resume: a best.old means the interrupted run crashed while
+    replacing best/, before its checkpoint recorded the new best (the
+    checkpoint is written after best/), so best.old is the best/ that goes
+    with the checkpoint; the epoch is run again and re-saves it if due."""
+    best, old, tmp = output_dir / "best", output_dir / "best.old", output_dir / "best.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if old.exists():
+        if best.exists():
+            shutil.rmtree(best)
+        os.replace(old, best)
+        logger.warning("%s: restored best/ from best.old (left by an interrupted save)", output_dir)
 
 
 def _find_checkpoint(output_dir: Path) -> Path | None:
@@ -181,9 +216,33 @@ def _find_checkpoint(output_dir: Path) -> Path | None:
 
 
 def _write_history(path: Path, history: list[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    # Written aside and renamed: a crash never leaves a truncated history.
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
         for record in history:
             f.write(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict[str, Any]:
+    """The global RNG states a training step can draw from (those accelerate's
+    checkpoints save, for CPU and CUDA)."""
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def fit(
@@ -204,10 +263,17 @@ def fit(
     ``step_fn(model, batch) -> (loss, metrics)`` is called with the model in
     train mode (gradients on) and in eval mode under ``torch.no_grad()``;
     ``loss`` is the batch mean, ``metrics`` (e.g. ``{"correct": k, "n": m}``)
-    are summed over the epoch. ``save_fn(unwrapped_model, output_dir/"best")``
-    runs (main process) whenever the validation loss improves; by default it
-    writes ``best/model.pt`` (a state dict). ``resume=True`` continues from
-    ``output_dir/last`` at the next epoch.
+    are summed over the epoch. ``save_fn(unwrapped_model, directory)`` runs
+    (main process) whenever the validation loss of a complete epoch improves;
+    ``directory`` is ``output_dir/best.tmp``, which then replaces ``best/``
+    (so ``best/`` is never half-written); by default it writes ``model.pt``
+    (a state dict).
+    ``resume=True`` continues from ``output_dir/last``: at the next epoch, or,
+    after a ``max_steps`` stop inside an epoch, at the next batch of that epoch.
+    A validation at such a stop is only reported (a ``"partial"`` history
+    record, replaced once the epoch completes): it does not touch ``best/``,
+    the lr schedule or early stopping, and ``epochs_run`` counts complete
+    epochs only.
     """
     from accelerate.utils import send_to_device, set_seed
     from tqdm.auto import tqdm
@@ -235,6 +301,8 @@ def fit(
         logger.warning("%s already holds a checkpoint; starting afresh and overwriting it", output_dir)
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
+        if checkpoint is not None:
+            _restore_best(output_dir)
 
     set_seed(config.seed)
     collate = _CountingCollate(collate_fn)
@@ -270,6 +338,11 @@ def fit(
     best_epoch = 0
     bad_epochs = 0
     stopped_early = False
+    # Where a max_steps stop left the epoch after epoch_done (0: at its start).
+    resume_batches = 0
+    resume_totals = _Totals()
+    resume_seconds = 0.0
+    resume_rng: dict[str, Any] | None = None
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
         state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
@@ -286,7 +359,23 @@ def fit(
         best_epoch, bad_epochs = state["best_epoch"], state["bad_epochs"]
         # A larger patience on resume lets an early-stopped run go on.
         stopped_early = state["stopped_early"] and bad_epochs >= config.patience
-        logger.info("resuming from %s after epoch %d (step %d)", checkpoint, epoch_done, global_step)
+        partial = state.get("partial_epoch")  # absent from older checkpoints
+        if partial:
+            resume_batches, resume_seconds = partial["batches"], partial["seconds"]
+            # Saved summed over processes: process 0 carries the sums (the
+            # epoch's totals are summed over processes again at its end).
+            if accelerator.process_index == 0:
+                resume_totals = _Totals.restore(partial["train"])
+            # load_state has just restored the RNG as it was after the last
+            # step; kept for when the skipped batches have been drawn.
+            resume_rng = _rng_state()
+        logger.info(
+            "resuming from %s after epoch %d%s (step %d)",
+            checkpoint,
+            epoch_done,
+            f" and {resume_batches} batches of epoch {epoch_done + 1}" if resume_batches else "",
+            global_step,
+        )
     history_path = output_dir / "history.jsonl"
     if main:
         # Rewritten from the checkpoint: drops records of epochs after it.
@@ -302,7 +391,8 @@ def fit(
     epoch_bar = tqdm(total=config.epochs, initial=epoch_done, desc="epochs", disable=not show, position=0)
     while not finished():
         epoch = epoch_done + 1
-        started = time.perf_counter()
+        skip, resume_batches = resume_batches, 0
+        started = time.perf_counter() - (resume_seconds if skip else 0.0)
         # Per-epoch seeds make dropout etc. independent of where a run resumed.
         set_seed(config.seed + epoch, device_specific=True)
         # Through the prepared loader: accelerate's loader re-sets its
@@ -311,9 +401,22 @@ def fit(
         lr = optimizer.param_groups[0]["lr"]
 
         model.train()
-        train_totals = _Totals()
+        train_totals = resume_totals if skip else _Totals()
         running, running_n = 0.0, 0
-        bar = tqdm(train_loader, desc=f"epoch {epoch}", leave=False, disable=not show, position=1)
+        batches = iter(train_loader)
+        if skip:
+            # Continue the interrupted epoch: the same permutation (epoch-seeded
+            # sampler) and loader seed (drawn at iter() after set_seed); the
+            # batches already trained on are drawn (so workers advance as they
+            # did) and dropped, then the RNG goes back to its state after the
+            # last step.
+            for _ in itertools.islice(batches, skip):
+                pass
+            _set_rng_state(resume_rng)
+        epoch_batches = skip
+        hit_max_steps = False
+        bar = tqdm(batches, total=len(train_loader), initial=skip, desc=f"epoch {epoch}", leave=False,
+                   disable=not show, position=1)
         for n, batch in bar:
             with accelerator.autocast():
                 loss, metrics = step_fn(model, batch)
@@ -328,9 +431,17 @@ def fit(
             if global_step % config.log_every == 0:
                 logger.info("epoch %d step %d: train loss %.4f", epoch, global_step, running / running_n)
                 running, running_n = 0.0, 0
+            epoch_batches += 1
             if config.max_steps is not None and global_step >= config.max_steps:
+                hit_max_steps = True
                 break
         bar.close()
+        # Stopped inside the epoch: what follows must leave the state exactly
+        # as it is now, for resume to continue the epoch.
+        partial = hit_max_steps and epoch_batches < len(train_loader)
+        if partial:
+            train_seconds = time.perf_counter() - started
+            after_step_rng = _rng_state()  # validation draws from it (the loader's seed)
 
         model.eval()
         val_totals = _Totals()
@@ -341,41 +452,54 @@ def fit(
                 with accelerator.autocast():
                     loss, metrics = step_fn(eval_model, batch)
                 val_totals.add(loss, n, metrics)
-        scheduler.step()
+        if partial:
+            _set_rng_state(after_step_rng)
+        else:
+            scheduler.step()
 
         train_keys = _metric_keys(accelerator, train_totals.metrics)
         val_keys = _metric_keys(accelerator, val_totals.metrics)
+        train_sums = train_totals.reduce(accelerator, train_keys)
         record: dict[str, Any] = {"epoch": epoch, "step": global_step}
-        record.update(_summarise("train", *train_totals.reduce(accelerator, train_keys)))
+        record.update(_summarise("train", *train_sums))
         record.update(_summarise("val", *val_totals.reduce(accelerator, val_keys)))
         record["lr"] = lr
         record["seconds"] = round(time.perf_counter() - started, 3)
-        history.append(record)
-        epoch_done = epoch
-
-        val_loss = record["val_loss"]
-        improved = val_loss < best_val  # False for NaN
-        if improved:
-            best_val, best_epoch, bad_epochs = val_loss, epoch, 0
+        if partial:
+            record["partial"] = True
+        # A partial record of this epoch (from before a resume) is replaced.
+        replaces = bool(history) and history[-1].get("partial", False) and history[-1]["epoch"] == epoch
+        if replaces:
+            history[-1] = record
         else:
-            bad_epochs += 1
-            stopped_early = bad_epochs >= config.patience and epoch < config.epochs
+            history.append(record)
+
+        improved = False
+        if not partial:
+            epoch_done = epoch
+            val_loss = record["val_loss"]
+            improved = val_loss < best_val  # False for NaN
+            if improved:
+                best_val, best_epoch, bad_epochs = val_loss, epoch, 0
+            else:
+                bad_epochs += 1
+                stopped_early = bad_epochs >= config.patience and epoch < config.epochs
 
         if main:
-            with open(history_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
+            if replaces:
+                _write_history(history_path, history)
+            else:
+                with open(history_path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")
+                    f.flush()
             if improved:
-                best = output_dir / "best"
-                old = best.with_name("best.old")
-                # Keep the previous best until the new one is written.
-                if old.exists():
-                    shutil.rmtree(old)
-                if best.exists():
-                    os.replace(best, old)
-                save_fn(accelerator.unwrap_model(model), best)
-                if old.exists():
-                    shutil.rmtree(old)
+                # Written aside and swapped in: best/ is always complete.
+                tmp = output_dir / "best.tmp"
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                save_fn(accelerator.unwrap_model(model), tmp)
+                if tmp.exists():  # a save_fn may write nothing there
+                    _swap_in(tmp, output_dir / "best")
         _save_checkpoint(
             accelerator,
             output_dir,
@@ -388,10 +512,28 @@ def fit(
                 "stopped_early": stopped_early,
                 "history": history,
                 "config": config.to_dict(),
+                "partial_epoch": (
+                    {
+                        "batches": epoch_batches,
+                        "seconds": train_seconds,
+                        "train": {"loss": train_sums[0], "n": train_sums[1], "metrics": train_sums[2]},
+                    }
+                    if partial
+                    else None
+                ),
             },
         )
 
         shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in record.items() if k != "epoch"}
+        if partial:
+            logger.info(
+                "max_steps reached after %d of %d batches of epoch %d: %s (resume continues the epoch)",
+                epoch_batches,
+                len(train_loader),
+                epoch,
+                shown,
+            )
+            break
         logger.info("epoch %d: %s%s", epoch, shown, " (best)" if improved else "")
         epoch_bar.set_postfix({k: shown[k] for k in shown if k.startswith(("train_", "val_"))})
         epoch_bar.update(1)
