@@ -159,7 +159,7 @@ class GROOViST(ClipReward):
         super().__init__(**clip_options)
         self.theta_setting = theta
         self.theta = resolve_theta(theta)
-        self.bounded = bool(bounded)
+        self.bounded = bounded
         self.value_range = (-1.0, 1.0) if self.bounded else (-math.inf, math.inf)
         if units not in UNITS:
             raise ValueError(f"units must be one of {UNITS}, got {units!r}")
@@ -173,7 +173,7 @@ class GROOViST(ClipReward):
         self.spacy_pipeline = spacy_pipeline
         self.units = units
         self.weighting = weighting
-        self.penalty = bool(penalty)
+        self.penalty = penalty
         self.concreteness = concreteness
         self.pronouns = pronouns
         self.idf_corpus = idf_corpus
@@ -298,7 +298,7 @@ def calibrate_theta(
     n = len(stories)
     for start in range(0, n, batch_size):
         index = list(range(start, min(n, start + batch_size)))
-        sub = {k: _take(v, index, n) for k, v in context.items() if v is not None}
+        sub = {k: _take(k, v, index, n) for k, v in context.items() if v is not None}
         for result in reward.analyse([stories[i] for i in index], **sub):
             if result.reason is not None:
                 n_bad += 1
