@@ -48,9 +48,9 @@ def repetition(story: str, ngram_len: int = 4) -> float:
     for i in range(1, len(words)):
         for j in range(i):
             union = len(set(words[i] + words[j]))
+            if union == 0:  # the authors skip it; it is not counted in the mean
+                continue
             inter_count = sum(1 for a in words[i] for b in words[j] if a == b)
-            if union == 0:
-                return float("nan")
             inter.append(inter_count / union)
     intra = []
     for toks in words:
@@ -59,7 +59,9 @@ def repetition(story: str, ngram_len: int = 4) -> float:
             if not nxt:
                 continue
             union = len(set(prev + nxt))
+            if union == 0:  # as the authors' loop (cannot happen: nxt is non-empty)
+                continue
             intra.append(sum(1 for a in prev for b in nxt if a == b) / union)
-    if not inter:
+    if not inter:  # fewer than two sentences, or every comparison skipped
         return float("nan")
     return float(1 - np.mean([np.mean(inter), np.mean(intra) if intra else 0]))

@@ -42,12 +42,31 @@ def test_matches_pair_loop_reference_vist(name):
     want = np.array([ref.repetition(s) for s in stories.values()])
     assert np.array_equal(np.isnan(got), np.isnan(want))
     assert np.nanmax(np.abs(got - want)) < 1e-12
-    if name == "gt_test":
-        # reference-notes.md: 156 of 5055 human stories have no inter-sentence
-        # pair. 5 more have two token-less sentences ("! !"), on which the
-        # authors' loop would divide by zero: unscorable too.
-        few = sum(len(tokenize_story(s)) < 2 for s in stories.values())
-        assert (few, int(np.isnan(got).sum())) == (156, 161)
+
+
+def _ref_words(story: str) -> list[list[str]]:
+    """Per-sentence tokens minus the last one, by the independent NLTK splitter."""
+    return [ref.word_tokenize(s)[:-1] for s in ref.sent_tokenize(story)]
+
+
+def test_vist_human_unscorable_set_and_skipped_comparisons():
+    stories = load_story_json("dhm", "vist", "gt_test.json")
+    ids = list(stories)
+    reward = create_reward("repetition")
+    got = dict(zip(ids, reward.score([stories[i] for i in ids])))
+    # reference-notes.md: unscorable = no inter-sentence comparison left; on
+    # the VIST human stories exactly those with fewer than two sentences.
+    few = {i for i in ids if len(ref.sent_tokenize(stories[i])) < 2}
+    assert len(few) == 156
+    assert {i for i in ids if math.isnan(got[i])} == few
+    assert reward.stats["reasons"] == {"fewer than 2 sentences": 156}
+    # Stories with a comparison of two token-less sentences ("great ! ! !"):
+    # the authors skip it and score the rest (these were NaN before).
+    skipped = {i for i in ids if sum(not w for w in _ref_words(stories[i])) >= 2}
+    assert skipped == {"45575", "45691", "48729", "48768", "48854"}
+    for i in skipped:
+        want = ref.repetition(stories[i])
+        assert math.isfinite(want) and abs(got[i] - want) < 1e-12, i
 
 
 def test_hand_computed():
@@ -61,14 +80,46 @@ def test_hand_computed():
     assert repetition_from_tokens(sentences) == pytest.approx(1 - (inter + 2 / 4) / 2)
 
 
+def test_empty_union_comparison_is_skipped_not_counted():
+    # tokens: [The,dog,ran], [], [], [The,cat,ran]. Inter: (1,0) 0/3, (2,0) 0/3,
+    # (2,1) union empty -> skipped, (3,0) 2 pairs / |{The,dog,ran,cat}|=4,
+    # (3,1) 0/3, (3,2) 0/3 -> mean (1/2)/5 = 1/10 (1/12 if the skipped one
+    # counted as 0); no intra chunks -> 0.
+    story = "The dog ran. ! ! The cat ran."
+    sentences = [["The", "dog", "ran", "."], ["!"], ["!"], ["The", "cat", "ran", "."]]
+    assert tokenize_story(story) == sentences
+    assert repetition_from_tokens(sentences) == pytest.approx(1 - (1 / 10) / 2, abs=1e-15)
+    assert repetition_score(story) == pytest.approx(1 - (1 / 10) / 2, abs=1e-15)
+    assert ref.repetition(story) == pytest.approx(1 - (1 / 10) / 2, abs=1e-15)
+    # Intra chunks still count when a sentence pair is skipped: chunks
+    # [a,a,b,c] vs [a,d] -> 2/4; inter (1,0) 0/4, (2,0) 0/4, (2,1) skipped.
+    sentences = [["a", "a", "b", "c", "a", "d", "."], ["!"], ["!"]]
+    assert repetition_from_tokens(sentences) == pytest.approx(1 - (0 + 2 / 4) / 2, abs=1e-15)
+
+
 def test_pair_counting_can_exceed_one_and_go_negative():
     # Kept for parity: equal token PAIRS are counted, not a set intersection.
     assert repetition_score("the the the the. the the the the.") < 0
 
 
-@pytest.mark.parametrize("story", ["", "   ", "One sentence only.", "no period at all", "! !", "..."])
+@pytest.mark.parametrize("story", ["", "   ", "One sentence only.", "no period at all", "! !", "! ! !", "..."])
 def test_unscorable_is_nan(story):
     assert math.isnan(repetition_score(story))
+    assert math.isnan(ref.repetition(story))
+
+
+def test_unscorable_reasons_counted():
+    reward = create_reward("repetition")
+    stories = ["A dog ran. A cat sat.", "One sentence only.", "", "! !", "! ! !", "Hi. ! !", None]
+    scores = reward.score(stories)
+    assert math.isfinite(scores[0]) and math.isfinite(scores[5]) and np.isnan(scores[[1, 2, 3, 4, 6]]).all()
+    assert reward.stats == {
+        "scored": 2,
+        "unscorable": 5,
+        "reasons": {"fewer than 2 sentences": 2, "no inter-sentence comparison": 2, "not text": 1},
+    }
+    reward.score(["Only one."])  # counts add up across calls
+    assert reward.stats["reasons"]["fewer than 2 sentences"] == 3
 
 
 def test_reward_metadata_and_bad_input():
@@ -77,7 +128,11 @@ def test_reward_metadata_and_bad_input():
     assert reward.higher_is_better
     scores = reward.score(["A dog ran. A cat sat.", None, 3, "single"])
     assert math.isfinite(scores[0]) and np.isnan(scores[1:]).all()
-    assert reward.stats == {"scored": 1, "unscorable": 3, "reasons": {"not text": 2}}
+    assert reward.stats == {
+        "scored": 1,
+        "unscorable": 3,
+        "reasons": {"not text": 2, "fewer than 2 sentences": 1},
+    }
 
 
 def test_chunk_size_config():

@@ -8,9 +8,14 @@ consecutive 4-token chunks against the chunk right after them. Each comparison i
 comparison can exceed 1 and the score can be negative for degenerate text.
 Score = 1 − mean(mean(inter), mean(intra) or 0); 1 = no repetition.
 
-Unscorable (NaN): a story without any inter-sentence pair (fewer than two
-sentences), and a story with two sentences that both have no tokens left (the
-authors' tool would divide by zero there).
+A comparison whose token union is empty (two sentences with no token left,
+e.g. two sentences that are just "!") is skipped and not counted in the mean,
+as the authors' loops do (``if union == 0: continue``; in the intra-sentence
+loop chunks are never empty, so it never applies there).
+
+Unscorable (NaN) when no inter-sentence comparison is left: a story with fewer
+than two sentences, or one whose sentences all have no token left. The reward
+records which (``stats["reasons"]``).
 """
 
 from __future__ import annotations
@@ -29,10 +34,11 @@ __all__ = ["Repetition", "repetition_from_tokens", "repetition_score"]
 
 
 def repetition_from_tokens(sentences: Sequence[Sequence[str]], chunk_size: int = 4) -> float:
-    """RoViST-NR of a story given the word tokens of each sentence."""
+    """RoViST-NR of a story given the word tokens of each sentence; NaN when
+    no inter-sentence comparison is left (see module docs)."""
+    if len(sentences) < 2:
+        return math.nan  # no inter-sentence comparison at all
     words = [list(s[:-1]) for s in sentences]
-    if len(words) < 2:
-        return math.nan
     # Equal-pair counts come from token counts (Σ_t c_a(t)·c_b(t)), identical to
     # the authors' pair loops; a sentence without repeated tokens counts 1 each.
     sets = [set(w) for w in words]
@@ -46,7 +52,7 @@ def repetition_from_tokens(sentences: Sequence[Sequence[str]], chunk_size: int =
             common = si & sj
             union = len(si) + len(sj) - len(common)
             if not union:
-                return math.nan
+                continue  # both token-less: the authors skip it, uncounted
             n_inter += 1
             if not common:
                 continue
@@ -70,6 +76,8 @@ def repetition_from_tokens(sentences: Sequence[Sequence[str]], chunk_size: int =
         for k in range(1, len(chunks)):
             if not chunk_sets[k - 1].isdisjoint(chunk_sets[k]):
                 intra_sum += sum(map(chunks[k].count, chunks[k - 1])) / len(chunk_sets[k - 1] | chunk_sets[k])
+    if not n_inter:  # every sentence token-less: all comparisons skipped
+        return math.nan
     inter = inter_sum / n_inter
     intra = intra_sum / n_intra if n_intra else 0.0
     return 1.0 - (inter + intra) / 2.0
@@ -106,6 +114,21 @@ class Repetition(Reward):
         return {"chunk_size": self.chunk_size}
 
     def _score_batch(self, stories: list[str], **context) -> np.ndarray:
-        return np.fromiter(
-            (repetition_score(s, self.chunk_size) for s in stories), dtype=np.float64, count=len(stories)
-        )
+        out = np.empty(len(stories))
+        unscorable = []
+        for i, story in enumerate(stories):
+            sentences = tokenize_story(story)  # once: the reason is read from it too
+            value = repetition_from_tokens(sentences, self.chunk_size)
+            if math.isnan(value):
+                unscorable.append((i, len(sentences)))
+            out[i] = value
+        # Reasons are recorded only once the whole batch has scored, so a batch
+        # retried story by story after an exception is not counted twice.
+        for i, n_sentences in unscorable:
+            # NaN only when no inter-sentence comparison is left.
+            start = repr(stories[i][:60])
+            if n_sentences < 2:
+                out[i] = self._unscorable("fewer than 2 sentences", f"{n_sentences} sentence(s) in {start}")
+            else:
+                out[i] = self._unscorable("no inter-sentence comparison", f"no sentence keeps a token in {start}")
+        return out
