@@ -356,6 +356,11 @@ def _context(batch) -> dict:
     return context
 
 
+def _json(summary: dict) -> str:
+    """One JSON line; NaN and infinities (not JSON) become null."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()})
+
+
 def _print_summary(table, columns) -> dict[str, int]:
     """Print stories / scored / unscorable / mean per metric; returns the
     number of scored stories per metric."""
@@ -417,8 +422,7 @@ def dhm(human, model, metrics, per_story, overwrite) -> None:
         _fail(str(exc))
     if result.n_excluded:
         click.echo(f"{result.n_excluded} stories left out: a selected score is missing or unscorable", err=True)
-    click.echo(json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v
-                           for k, v in result.summary().items()}))
+    click.echo(_json(result.summary()))
     if not result.n:
         _fail("no story has every selected score finite in both tables: d_HM is undefined")
     if per_story is not None:
@@ -536,7 +540,7 @@ def _train_command(kind: str):
             result = getattr(module, function)(config, resume=resume, progress=not quiet)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
-        click.echo(json.dumps({
+        click.echo(_json({
             "output_dir": config.output_dir,
             "best_epoch": result.best_epoch,
             "best_val_loss": result.best_val_loss,

@@ -133,9 +133,9 @@ def _hints(func: Callable) -> dict[str, Any]:
     return typing.get_type_hints(func)
 
 
-def checked_init(init: Callable, owner: Callable[[], str]) -> Callable:
+def checked_init(init: Callable, owner: Callable[[Any], str]) -> Callable:
     """Wrap an ``__init__`` so that its arguments are type-checked first.
-    ``owner()`` names the class in errors."""
+    ``owner(self)`` names the object being created in errors."""
     signature = inspect.signature(init)
 
     @functools.wraps(init)
@@ -143,8 +143,8 @@ def checked_init(init: Callable, owner: Callable[[], str]) -> Callable:
         try:
             bound = signature.bind(self, *args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{owner()}: {exc}") from None
-        check_arguments(init, bound, owner())
+            raise TypeError(f"{owner(self)}: {exc}") from None
+        check_arguments(init, bound, owner(self))
         return init(*bound.args, **bound.kwargs)
 
     wrapper.__checks_options__ = True

@@ -77,3 +77,94 @@ def test_load_reward_config(tmp_path):
     (tmp_path / "x.yaml").write_text("- just a list\n")
     with pytest.raises(ValueError, match="reward: <name>"):
         load_reward_config(tmp_path / "x.yaml")
+
+
+# -- contract details found by breaking the code on purpose (issue 8) --------
+
+
+class AlwaysBroken(Reward):
+    """A reward whose scoring raises for every story (e.g. a corrupt model)."""
+
+    name = "test_always_broken"
+
+    def _score_batch(self, stories, **context):
+        raise RuntimeError("weights are garbage")
+
+
+class Recorder(Reward):
+    """Records the texts the base class hands to _score_batch."""
+
+    name = "test_recorder"
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def _score_batch(self, stories, **context):
+        for s in stories:
+            s.encode("utf-8")  # what every tokenizer and file writer needs
+        self.seen.extend(stories)
+        return np.ones(len(stories))
+
+
+def test_a_reward_failing_on_every_story_is_an_error_with_batches_of_one():
+    from storyrl.rewards.base import RewardError
+
+    reward = AlwaysBroken()
+    assert np.isnan(reward.score(["first story"])[0])  # one failure may be a bad story
+    with pytest.raises(RewardError, match="weights are garbage"):
+        reward.score(["second story"])
+    # a whole multi-story batch failing is an error at once
+    with pytest.raises(RewardError, match="test_always_broken"):
+        AlwaysBroken().score(["a", "b"])
+
+
+def test_a_reward_that_breaks_mid_run_is_an_error_with_batches_of_one():
+    from storyrl.rewards.base import MAX_ERRORS_IN_A_ROW, RewardError
+
+    reward = create_reward("test_word_count")
+    assert reward.score(["fine"])[0] == 1
+    for _ in range(MAX_ERRORS_IN_A_ROW - 1):
+        assert np.isnan(reward.score(["boom"])[0])
+    with pytest.raises(RewardError):
+        reward.score(["boom"])
+
+
+def test_occasional_bad_stories_with_batches_of_one_stay_nan():
+    reward = create_reward("test_word_count")
+    stories = ["a b", "boom", "c", "boom", "boom", "d e f"] * 3
+    scores = np.concatenate([reward.score([s]) for s in stories])
+    assert np.isnan(scores[[i for i, s in enumerate(stories) if s == "boom"]]).all()
+    assert reward.stats["reasons"]["RuntimeError"] == 9
+
+
+def test_context_column_of_the_wrong_length_is_an_error():
+    reward = create_reward("test_word_count")
+    with pytest.raises(ValueError, match="context column 'images' has 2 entries for 3 stories"):
+        reward.score(["a", "b", "c"], images=[["1.png"], ["2.png"]])
+    with pytest.raises(ValueError, match="'images'"):
+        reward(prompts=["p"] * 3, completions=["a", "b", "c"], images=[["1.png"]] * 4)
+    with pytest.raises(ValueError, match="'ids'"):
+        reward.score(["a", "b"], ids=np.array([1, 2, 3]))
+    reward.score(["a", "b"], split="test", weights={"x": 1})  # non-column values pass through
+
+
+@pytest.mark.parametrize("value", ["a story. another.", b"bytes", {"a": "b"}, 3])
+def test_stories_and_completions_must_be_lists(value):
+    reward = create_reward("test_word_count")
+    with pytest.raises(TypeError, match="must be a list"):
+        reward.score(value)
+    with pytest.raises(TypeError, match="completions must be a list"):
+        reward(prompts=["p"], completions=value)
+    assert reward.score(s for s in ["a b"])[0] == 2  # any other iterable is fine
+
+
+def test_lone_surrogates_are_replaced_before_scoring():
+    reward = Recorder()
+    assert reward.score(["bad \ud800 text", "fine", "pair \ud83d\ude00 ok"]).tolist() == [1, 1, 1]
+    assert reward.seen == ["bad \ufffd text", "fine", "pair \ufffd\ufffd ok"]
+    # a real reward scores such a story instead of failing the batch
+    rep = create_reward("repetition")
+    assert rep.score(["The dog ran \udc80 home. The cat sat on the mat."])[0] == pytest.approx(
+        rep.score(["The dog ran \ufffd home. The cat sat on the mat."])[0]
+    )

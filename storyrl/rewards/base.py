@@ -94,7 +94,7 @@ class Reward:
         if init is not None and not getattr(init, "__checks_options__", False):
             from storyrl.options import checked_init
 
-            cls.__init__ = checked_init(init, lambda: f"reward {cls.name or cls.__name__!r}")
+            cls.__init__ = checked_init(init, lambda self: f"reward {self.name or type(self).__name__!r}")
 
     def __init__(self) -> None:
         # TRL names reward columns after the callable's __name__.
