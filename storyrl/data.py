@@ -378,24 +378,32 @@ class ScoreWriter:
                     raise StoryDataError(self.path, f"cannot resume: {exc.problem}", exc.record) from None
             if partial:
                 self._out.replace(complete)  # after validation: never drops a row of a refused file
-            if not complete:
+            #: this writer started the file: a run that fails before its
+            #: first row removes it again (a header-only file would block a rerun)
+            self._started = not complete
+            if self._started:
                 self._out.write(_csv_text([self.header]))
         except BaseException:
             self._out.close()
             raise
+        self._rows = 0
 
     def write(self, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
         """Append one row per story id (flushed before returning)."""
         self._out.write(_csv_text(_score_rows(ids, columns, self.metrics)))
+        self._rows += len(ids)
 
-    def close(self) -> None:
-        self._out.close()
+    def close(self, failed: bool = False) -> None:
+        if failed and self._started and not self._rows:
+            self._out.discard()
+        else:
+            self._out.close()
 
     def __enter__(self) -> ScoreWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def write_scores(

@@ -201,6 +201,18 @@ class LockedOutput:
             os.close(self._fd)
             self._fd = self._stream = None
 
+    def discard(self) -> None:
+        """Delete the file (still under the lock, so no other writer's file
+        is removed) and close it: for a run that produced nothing."""
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        if self._stream is not None:
+            self._stream.close()
+        os.close(self._fd)
+        self._fd = self._stream = None
+
     def __enter__(self) -> LockedOutput:
         return self
 
