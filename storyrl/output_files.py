@@ -132,10 +132,11 @@ class LockedOutput:
         """The file's text split into ``(complete, partial)``: ``complete``
         ends at the last newline, ``partial`` is a last line cut by a kill
         (empty when the file ends with a newline)."""
-        data = b""
         os.lseek(self._fd, 0, os.SEEK_SET)
+        chunks = []
         while chunk := os.read(self._fd, 1 << 20):
-            data += chunk
+            chunks.append(chunk)
+        data = b"".join(chunks)
         cut = data.rfind(b"\n") + 1
         try:
             # A kill can cut a multi-byte character only in the partial line.
