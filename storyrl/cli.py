@@ -205,7 +205,7 @@ def _check_outputs(
     """Before any work: no output is an input or another output, none is
     locked by another writer, unwritable, or (without --resume/--overwrite)
     already there."""
-    from storyrl.output_files import OutputError, check_output
+    from storyrl.output_files import OutputExistsError, check_output
 
     named = [(flag, path) for flag, path in outputs.items() if path is not None]
     for k, (flag, path) in enumerate(named):
@@ -217,10 +217,8 @@ def _check_outputs(
                 _fail(f"{flag} and {other_flag} are the same file {path}")
         try:
             check_output(path, existing)
-        except OutputError as exc:
-            if str(exc).endswith(": exists"):
-                _fail(f"{path} exists: {hint}")
-            _fail(str(exc))
+        except OutputExistsError:
+            _fail(f"{path} exists: {hint}")
 
 
 def _ready(rewards) -> None:

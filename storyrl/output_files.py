@@ -32,13 +32,17 @@ try:
 except ImportError:  # Windows: no advisory locks here
     fcntl = None
 
-__all__ = ["LockedOutput", "OutputError", "check_output", "replace_file"]
+__all__ = ["LockedOutput", "OutputError", "OutputExistsError", "check_output", "replace_file"]
 
 Existing = Literal["refuse", "keep", "truncate"]
 
 
 class OutputError(Exception):
     """An output file that cannot be written: in use, exists, unwritable."""
+
+
+class OutputExistsError(OutputError):
+    """A non-empty output file exists and may not be replaced."""
 
 
 def _reason(exc: OSError) -> str:
@@ -81,7 +85,7 @@ def check_output(path: str | os.PathLike, existing: Existing = "refuse") -> None
         if not os.access(path, os.W_OK):
             raise OutputError(f"{path}: cannot write: permission denied")
         if size and existing == "refuse":
-            raise OutputError(f"{path}: exists")
+            raise OutputExistsError(f"{path}: exists")
         return
     parent = next((p for p in path.absolute().parents if p.exists()), None)
     if parent is not None and (not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK)):
@@ -118,7 +122,7 @@ class LockedOutput:
             if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 raise _busy(self.path)
             if st.st_size and existing == "refuse":
-                raise OutputError(f"{self.path}: exists")
+                raise OutputExistsError(f"{self.path}: exists")
             if st.st_size and existing == "truncate":
                 os.ftruncate(fd, 0)
         except BaseException:
