@@ -279,9 +279,13 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
         todo = [r for r in records if r.story_id not in writer.done]
         if writer.done:
             click.echo(f"resuming {out}: {len(records) - len(todo)} of {len(records)} stories already scored", err=True)
-        explain_file = _open_explain(explain, writer.done, resume) if explain is not None else None
+        explain_file, explain_started = _open_explain(explain, writer.done, resume) if explain else (None, False)
         try:
             _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer)
+        except BaseException:
+            if explain_started and not writer.rows_written:
+                explain_file.discard()  # as OUT is: nothing of this run is left to block a rerun
+            raise
         finally:
             if explain_file is not None:
                 explain_file.close()
@@ -317,9 +321,10 @@ def _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, expla
 
 
 def _open_explain(path: Path, done: set[str], resume: bool):
-    """The --explain JSONL file, locked; on resume it keeps exactly one line
-    for each story already in OUT (a kill can leave lines of a batch whose
-    scores were not written, or half a line)."""
+    """The --explain JSONL file, locked, and whether this run starts it; on
+    resume it keeps exactly one line for each story already in OUT (a kill
+    can leave lines of a batch whose scores were not written, or half a
+    line)."""
     from storyrl.data import StoryDataError
     from storyrl.output_files import LockedOutput
 
@@ -341,7 +346,7 @@ def _open_explain(path: Path, done: set[str], resume: bool):
     except BaseException:
         out.close()
         raise
-    return out
+    return out, not text
 
 
 def _context(batch) -> dict:

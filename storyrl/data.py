@@ -386,15 +386,16 @@ class ScoreWriter:
         except BaseException:
             self._out.close()
             raise
-        self._rows = 0
+        #: rows written by this writer
+        self.rows_written = 0
 
     def write(self, ids: Sequence[str], columns: Mapping[str, Sequence[float]]) -> None:
         """Append one row per story id (flushed before returning)."""
         self._out.write(_csv_text(_score_rows(ids, columns, self.metrics)))
-        self._rows += len(ids)
+        self.rows_written += len(ids)
 
     def close(self, failed: bool = False) -> None:
-        if failed and self._started and not self._rows:
+        if failed and self._started and not self.rows_written:
             self._out.discard()
         else:
             self._out.close()

@@ -21,6 +21,7 @@ Locking needs ``fcntl`` (Linux, macOS); elsewhere files are not locked.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import stat
 import tempfile
@@ -102,9 +103,11 @@ class LockedOutput:
 
     def __init__(self, path: str | os.PathLike, existing: Existing = "refuse") -> None:
         self.path = Path(path)
+        # Through a symlink, the linked file is the one written and replaced.
+        self._file = Path(os.path.realpath(self.path))
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            self._file.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._file, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as exc:
             raise OutputError(f"{self.path}: cannot create: {_reason(exc)}") from None
         try:
@@ -116,7 +119,7 @@ class LockedOutput:
             if not stat.S_ISREG(st.st_mode):  # e.g. /dev/full: reads never end
                 raise OutputError(f"{self.path}: not a regular file")
             try:
-                now = os.stat(self.path)
+                now = os.stat(self._file)
             except FileNotFoundError:
                 now = None
             if now is None or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
@@ -128,6 +131,11 @@ class LockedOutput:
         except BaseException:
             os.close(fd)
             raise
+        # Copies written aside by a process killed during a repair: only a
+        # holder of this file's lock writes them, and that is now us.
+        for stale in self._file.parent.glob(f".{glob.escape(self._file.name)}.*.tmp"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
         self._fd: int | None = fd
         self._stream: TextIO | None = None
 
@@ -152,7 +160,7 @@ class LockedOutput:
         """Make ``text`` the file's content atomically: write it aside,
         fsync, lock the new file, rename it over the old one, fsync the
         directory. A kill at any point leaves the old or the new content."""
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=self._file.parent, prefix=f".{self._file.name}.", suffix=".tmp")
         try:
             data = text.encode("utf-8")
             view = memoryview(data)
@@ -160,14 +168,14 @@ class LockedOutput:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
             _try_lock(fd)  # a fresh file: nobody else can hold it
-            os.chmod(tmp, os.stat(self.path).st_mode & 0o7777)
-            os.replace(tmp, self.path)
+            os.chmod(tmp, os.stat(self._file).st_mode & 0o7777)
+            os.replace(tmp, self._file)
         except OSError as exc:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise OutputError(f"{self.path}: cannot write: {_reason(exc)}") from None
-        _fsync_dir(self.path.parent)
+        _fsync_dir(self._file.parent)
         if self._stream is not None:
             self._stream.close()
             self._stream = None
@@ -212,7 +220,7 @@ class LockedOutput:
         if self._fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            os.unlink(self._file)
         if self._stream is not None:
             self._stream.close()
         os.close(self._fd)
