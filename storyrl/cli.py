@@ -60,17 +60,13 @@ class _Group(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except KeyboardInterrupt:
+        except (Exception, KeyboardInterrupt) as exc:
             if _debug():
                 import traceback
 
                 traceback.print_exc()
-            raise CommandError("interrupted", exit_code=130) from None
-        except Exception as exc:
-            if _debug():
-                import traceback
-
-                traceback.print_exc()
+            if isinstance(exc, KeyboardInterrupt):
+                raise CommandError("interrupted", exit_code=130) from None
             raise CommandError(describe_error(exc)) from exc
 
 

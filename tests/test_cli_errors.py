@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -115,7 +114,7 @@ def test_dhm_without_shared_scorable_stories_prints_null_and_fails(tmp_path):
     assert "d_HM is undefined" in result.output
 
 
-def test_train_summary_is_valid_json_when_no_epoch_finished(tmp_path, monkeypatch):
+def test_train_summary_is_valid_json_when_no_epoch_finished():
     from storyrl.cli import _json
 
     line = _json({"best_val_loss": math.inf, "n": 3, "x": math.nan, "ok": 0.5})

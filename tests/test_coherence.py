@@ -28,14 +28,15 @@ TEXTS = [
 ]
 
 
-def make_tokenizer():
+def make_tokenizer(texts=TEXTS):
+    """A tiny WordLevel tokenizer with BERT-style specials and pair encoding."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([t.lower() for t in TEXTS], trainers.WordLevelTrainer(special_tokens=specials))
+    tok.train_from_iterator([t.lower() for t in texts], trainers.WordLevelTrainer(special_tokens=specials))
     tok.normalizer = __import__("tokenizers").normalizers.Lowercase()
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     # Standard pair encoding: the independent reference below relies on it.

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import REPO
+from test_coherence import make_tokenizer  # the tiny tokenizer of the coherence tests
 
 import storyrl  # noqa: F401  (torchvision fallback before open_clip / transformers)
 from storyrl.rewards import create_reward, load_reward_config
@@ -90,25 +91,6 @@ STORIES = [
 ]
 
 
-def _tokenizer(texts):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
-
-
 def _coherence_model(directory: Path, seed: int) -> str:
     """A tiny random ALBERT coherence model in storyrl's format."""
     import torch
@@ -122,7 +104,7 @@ def _coherence_model(directory: Path, seed: int) -> str:
     model = CoherenceModel.from_config(config).eval()
     with torch.no_grad():  # spread the probabilities, so two seeds score visibly differently
         model.linear.weight.mul_(20)
-    model.save_pretrained(directory, _tokenizer([s for _, s, _ in STORIES]))
+    model.save_pretrained(directory, make_tokenizer([s for _, s, _ in STORIES]))
     return str(directory)
 
 
