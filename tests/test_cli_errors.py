@@ -115,7 +115,7 @@ def test_dhm_without_shared_scorable_stories_prints_null_and_fails(tmp_path):
 
 
 def test_train_summary_is_valid_json_when_no_epoch_finished():
-    from storyrl.cli import _json
+    from storyrl.cli.common import _json
 
     line = _json({"best_val_loss": math.inf, "n": 3, "x": math.nan, "ok": 0.5})
     assert json.loads(line) == {"best_val_loss": None, "n": 3, "x": None, "ok": 0.5}

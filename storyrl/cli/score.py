@@ -1,0 +1,208 @@
+"""Scoring commands: ``score`` (stories -> score CSV), ``groovist-calibrate``
+(θ for a dataset) and ``rewards`` (the registered reward names)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import click
+
+from storyrl.cli.common import _FILE, _check_outputs, _fail, _metric_list
+from storyrl.cli.reward_options import _attach_context_files, _make_rewards, _option_values, _reward_options
+
+
+@click.command("rewards")
+def list_rewards_cmd() -> None:
+    """List the registered rewards."""
+    from storyrl.rewards import list_rewards
+
+    for name in list_rewards():
+        click.echo(name)
+
+
+def _ready(rewards) -> None:
+    """Load every reward's models before anything is written."""
+    for reward in rewards:
+        reward.setup()
+
+
+@click.command()
+@click.argument("stories", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--metrics", "-m", default="", help="Comma-separated reward names, e.g. repetition,groovist.")
+@click.option(
+    "--config",
+    "configs",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Reward config YAML (configs/rewards/*.yaml); repeatable.",
+)
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Score CSV to write (*.csv).")
+@click.option("--resume", is_flag=True, help="Keep the rows already in OUT and score only the missing stories.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and --explain file).")
+@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
+@_reward_options
+def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, explain, **reward_kwargs) -> None:
+    """Score the stories in STORIES (JSON {id: story} or JSONL records) and
+    write OUT as CSV: story_id plus one column per metric (empty = unscorable).
+    Rows are written as they are scored; --resume continues an interrupted run.
+    OUT is locked while the command runs. Exits non-zero when a metric scored
+    no story. Image-based metrics (groovist, clipscore) read each record's
+    images or image_ids (or --image-ids)."""
+    from storyrl.data import ScoreWriter, load_stories, read_scores
+
+    names = _metric_list(metrics)
+    if not names and not configs:
+        _fail("choose at least one metric (--metrics) or reward config (--config)")
+    if resume and overwrite:
+        _fail("--resume and --overwrite exclude each other")
+    if out.suffix.lower() != ".csv":
+        _fail(f"--out {out}: score tables are CSV files; name it *.csv")
+    inputs = [stories, *configs, *(v for v in reward_kwargs.values() if isinstance(v, Path))]
+    _check_outputs({"--out": out, "--explain": explain}, inputs, "keep" if resume or overwrite else "refuse")
+
+    options, context_files = _option_values(reward_kwargs)
+    rewards = _make_rewards(names, configs, options)
+    explainer = next((r for r in rewards if hasattr(r, "explain")), None)
+    if explain is not None and explainer is None:
+        _fail("--explain needs a metric with per-phrase details (groovist)")
+    columns = [r.name for r in rewards]
+    if len(set(columns)) != len(columns):
+        _fail(f"a metric is requested twice: {columns}")
+    records = load_stories(stories)
+    _attach_context_files(records, context_files)
+    _ready(rewards)
+
+    with ScoreWriter(out, columns, resume=resume, overwrite=overwrite) as writer:
+        todo = [r for r in records if r.story_id not in writer.done]
+        if writer.done:
+            click.echo(f"resuming {out}: {len(records) - len(todo)} of {len(records)} stories already scored", err=True)
+        explain_file, explain_started = _open_explain(explain, writer.done, resume) if explain else (None, False)
+        try:
+            _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer)
+        except BaseException:
+            if explain_started and not writer.rows_written:
+                explain_file.discard()  # as OUT is: nothing of this run is left to block a rerun
+            raise
+        finally:
+            if explain_file is not None:
+                explain_file.close()
+
+    table = read_scores(out)
+    scored = _print_summary(table, columns)
+    for reward in rewards:
+        for reason, count in reward.stats["reasons"].most_common():
+            click.echo(f"{reward.name}: {count} unscorable: {reason}", err=True)
+    empty = [m for m in columns if not scored[m]]
+    if empty:
+        _fail(f"no story could be scored for {', '.join(empty)} ({len(table.ids)} stories in {out})")
+
+
+def _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer) -> None:
+    from tqdm import tqdm
+
+    with tqdm(total=len(todo), unit="story", disable=quiet, file=sys.stderr) as bar:
+        for start in range(0, len(todo), batch_size):
+            batch = todo[start : start + batch_size]
+            context = _context(batch)
+            texts = [r.story for r in batch]
+            scores = {r.name: r.score(texts, **context) for r in rewards}
+            if explain_file is not None:
+                # Before the score rows: a story in OUT always has its explain
+                # line (resume drops explain lines of stories not in OUT).
+                lines = explainer.explain(texts, **context)
+                explain_file.write("".join(
+                    json.dumps({"story_id": record.story_id, **details}) + "\n" for record, details in zip(batch, lines)
+                ))
+            writer.write([r.story_id for r in batch], scores)
+            bar.update(len(batch))
+
+
+def _open_explain(path: Path, done: set[str], resume: bool):
+    """The --explain JSONL file, locked, and whether this run starts it; on
+    resume it keeps exactly one line for each story already in OUT (a kill
+    can leave lines of a batch whose scores were not written, or half a
+    line)."""
+    from storyrl.data import StoryDataError
+    from storyrl.output_files import LockedOutput
+
+    out = LockedOutput(path, "keep" if resume else "truncate")
+    try:
+        complete, partial = out.read()
+        kept, seen = [], set()
+        for lineno, line in enumerate(complete.splitlines(keepends=True), 1):
+            try:
+                sid = json.loads(line)["story_id"]
+            except (ValueError, TypeError, KeyError):
+                raise StoryDataError(path, "not an explain record (JSON object with story_id)", f"at line {lineno}") from None
+            if sid in done and sid not in seen:
+                kept.append(line)
+                seen.add(sid)
+        text = "".join(kept)
+        if partial or text != complete:
+            out.replace(text)
+    except BaseException:
+        out.close()
+        raise
+    return out, not text
+
+
+def _context(batch) -> dict:
+    """Per-story context columns that any record of the batch carries."""
+    context = {}
+    for key in ("images", "image_ids", "reference", "noun_phrases"):
+        values = [getattr(r, key) for r in batch]
+        if any(v is not None for v in values):
+            context[key] = values
+    return context
+
+
+def _print_summary(table, columns) -> dict[str, int]:
+    """Print stories / scored / unscorable / mean per metric; returns the
+    number of scored stories per metric."""
+    from tabulate import tabulate
+
+    rows, scored = [], {}
+    for metric in columns:
+        values = [table.scores[metric][sid] for sid in table.ids]
+        finite = [v for v in values if math.isfinite(v)]
+        mean = sum(finite) / len(finite) if finite else math.nan
+        rows.append([metric, len(values), len(finite), len(values) - len(finite), mean])
+        scored[metric] = len(finite)
+    click.echo(tabulate(rows, headers=["metric", "stories", "scored", "unscorable", "mean"], floatfmt=".4f"))
+    return scored
+
+
+@click.command("groovist-calibrate")
+@click.argument("stories", type=_FILE)
+@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_reward_options
+def groovist_calibrate(stories, batch_size, quiet, **reward_kwargs) -> None:
+    """θ for a dataset: the mean NP score (2.5 x best CLIP cosine) over all
+    noun phrases of the stories in STORIES (with their images). Prints JSON;
+    pass the value to --theta or a config's theta."""
+    from storyrl.data import StoryDataError, load_stories
+    from storyrl.rewards.groovist import calibrate_theta
+
+    options, context_files = _option_values(reward_kwargs)
+    (reward,) = _make_rewards(["groovist"], (), options)
+    try:
+        records = load_stories(stories)
+    except StoryDataError as exc:
+        _fail(str(exc))
+    _attach_context_files(records, context_files)
+    context = _context(records)
+    from tqdm import tqdm
+
+    try:
+        with tqdm(total=len(records), unit="story", disable=quiet, file=sys.stderr) as bar:
+            texts = [r.story for r in records]
+            result = calibrate_theta(reward, texts, batch_size=batch_size, progress=bar.update, **context)
+    except ValueError as exc:
+        _fail(str(exc))
+    click.echo(json.dumps(result))
