@@ -91,7 +91,8 @@ def main(argv=None) -> int:
     from transformers import AlbertConfig
 
     from storyrl.rewards import create_reward
-    from storyrl.rewards.coherence import CoherenceModel, sentence_pairs
+    from storyrl.models.coherence import CoherenceModel
+    from storyrl.rewards.coherence import sentence_pairs
     from storyrl.text import split_sentences
 
     if args.threads:

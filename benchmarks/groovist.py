@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     import storyrl  # noqa: F401  (torchvision fallback before open_clip on CPU-only torch)
     import torch
 
-    from storyrl.models import clip_embedder
+    from storyrl.models.clip import clip_embedder
     from storyrl.noun_phrases import load_pronouns
     from storyrl.rewards.groovist import GROOViST
     from storyrl.word_weights import Concreteness, NoWeights

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from storyrl.assets import asset_path
-from storyrl.models import LruDict
+from storyrl.models.caches import LruDict
 from storyrl.text import split_sentences
 
 __all__ = [

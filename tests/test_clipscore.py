@@ -142,7 +142,7 @@ def test_sentence_i_pairs_with_image_i(tiny_clip, images, reference):
 
 
 def test_batched_equals_one_by_one(tiny_clip, images):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     stories = [STORY, "A dog runs.", "The sky is blue. A car. A dog runs. More.", STORY, "A cat sleeps. It dreams."]
     seqs = [images, images, images[1:], images[::-1], images[:1]]
@@ -224,7 +224,7 @@ def test_groovist_and_clipscore_share_one_embedder(tiny_clip):
 
 
 def test_shared_whole_image_embedded_once(tiny_clip, images):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     release_models()
     clip = make(tiny_clip)

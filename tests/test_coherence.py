@@ -15,8 +15,9 @@ import torch
 from conftest import shared_path
 
 import storyrl  # noqa: F401  (before transformers on CPU-only torchvision)
+from storyrl.models.coherence import CoherenceModel, encode_pairs
 from storyrl.rewards import create_reward
-from storyrl.rewards.coherence import CoherenceModel, encode_pairs, sentence_pairs
+from storyrl.rewards.coherence import sentence_pairs
 from storyrl.text import split_sentences
 
 TEXTS = [

@@ -133,7 +133,7 @@ def test_batched_equals_one_by_one(tiny_clip, images, ratings_path, pronouns_pat
     nps = [["the dog", "a red car"], ["the sky", "the dog", "trees"], ["people"], ["a church", "the sky"]]
     seqs = [images, images[:2], images[1:], images]
     batch = reward.score(["s"] * 4, images=seqs, noun_phrases=nps)
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     release_models()  # cold caches for the one-by-one pass
     single = [make(tiny_clip, ratings_path, pronouns_path).score(["s"], images=[s], noun_phrases=[n])[0] for s, n in zip(seqs, nps)]
@@ -142,7 +142,7 @@ def test_batched_equals_one_by_one(tiny_clip, images, ratings_path, pronouns_pat
 
 
 def test_every_region_and_phrase_embedded_once(tiny_clip, images, ratings_path, pronouns_path):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     release_models()
     reward = make(tiny_clip, ratings_path, pronouns_path)
@@ -156,7 +156,7 @@ def test_every_region_and_phrase_embedded_once(tiny_clip, images, ratings_path, 
 
 
 def test_disk_cache_reused(tiny_clip, images, ratings_path, pronouns_path, tmp_path):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     release_models()
     reward = make(tiny_clip, ratings_path, pronouns_path, cache_dir=str(tmp_path / "cache"))
@@ -172,7 +172,7 @@ def test_trimmed_text_encoder_equals_open_clip(tiny_clip):
     import open_clip
     import torch
 
-    from storyrl.models import _encode_text_trimmed
+    from storyrl.models.clip import _encode_text_trimmed
 
     model = open_clip.create_model(tiny_clip).eval()
     tokens = open_clip.get_tokenizer(tiny_clip)(["a dog", "the big old church near the lake", "x"])

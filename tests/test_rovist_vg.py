@@ -12,13 +12,9 @@ import numpy as np
 import pytest
 
 import storyrl  # noqa: F401  (torchvision fallback before timm)
-from storyrl.rewards.rovist_vg import (
-    RovistVG,
-    RovistVGModel,
-    load_glove,
-    rovist_vg_score,
-    scale_score,
-)
+from storyrl.models.glove import load_glove
+from storyrl.models.rovist_vg import RovistVGModel
+from storyrl.rewards.rovist_vg import RovistVG, rovist_vg_score, scale_score
 
 TINY_VIT = "vit_tiny_patch16_224"
 TINY_TIMM = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}
@@ -205,7 +201,7 @@ def test_reward_matches_hand_computation(model_dir, glove_path, corpus, images, 
 
 
 def test_batched_equals_one_by_one(model_dir, glove_path, corpus, images):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     reward = make(model_dir, glove_path, idf_corpus=corpus)
     nouns = [["dog", "car"], ["sky", "dog", "tree"], ["man"], ["church", "sky"]]
@@ -221,7 +217,7 @@ def test_batched_equals_one_by_one(model_dir, glove_path, corpus, images):
 
 
 def test_regions_and_nouns_embedded_once(model_dir, glove_path, images):
-    from storyrl.models import release_models
+    from storyrl.models.runtime import release_models
 
     release_models()
     reward = make(model_dir, glove_path)

@@ -133,7 +133,7 @@ def make_tokenizer():
 def tiny_model():
     from transformers import AlbertConfig
 
-    from storyrl.rewards.coherence import CoherenceModel
+    from storyrl.models.coherence import CoherenceModel
 
     torch.manual_seed(0)
     config = AlbertConfig(
@@ -149,7 +149,7 @@ def tiny_model():
 
 def test_train_coherence_end_to_end(tmp_path):
     from storyrl.rewards import create_reward
-    from storyrl.rewards.coherence import CoherenceModel, encode_pairs
+    from storyrl.models.coherence import CoherenceModel, encode_pairs
     from storyrl.training.coherence import sop_step
 
     stories = synthetic_stories(40)

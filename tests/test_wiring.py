@@ -96,7 +96,7 @@ def _coherence_model(directory: Path, seed: int) -> str:
     import torch
     from transformers import AlbertConfig
 
-    from storyrl.rewards.coherence import CoherenceModel
+    from storyrl.models.coherence import CoherenceModel
 
     torch.manual_seed(seed)
     config = AlbertConfig(vocab_size=64, embedding_size=8, hidden_size=16, num_hidden_layers=1,
@@ -112,7 +112,7 @@ def _rovist_vg_model(directory: Path, word_dim: int) -> str:
     """A tiny random RoViST-VG model in storyrl's format."""
     import torch
 
-    from storyrl.rewards.rovist_vg import RovistVGModel
+    from storyrl.models.rovist_vg import RovistVGModel
 
     torch.manual_seed(0)
     timm = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}

@@ -39,7 +39,8 @@ class ClipReward(RegionReward):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__()
-        from storyrl.models import ClipSpec, check_run_options
+        from storyrl.models.clip import ClipSpec
+        from storyrl.models.runtime import check_run_options
 
         check_run_options(precision, batch_size)
         self.spec = ClipSpec(clip_model, clip_pretrained, device, precision)
@@ -53,7 +54,7 @@ class ClipReward(RegionReward):
     @property
     def embedder(self):
         """The process-wide CLIP embedder (loads the model on first use)."""
-        from storyrl.models import clip_embedder
+        from storyrl.models.clip import clip_embedder
 
         embedder = clip_embedder(self.spec, batch_size=self.batch_size)
         embedder.use_disk_cache(self.cache_dir)

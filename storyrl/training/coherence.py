@@ -152,7 +152,7 @@ class _SOPCollate:
         self.tokenizer, self.max_length = tokenizer, max_length
 
     def __call__(self, items: list[tuple[str, str, int]]) -> dict[str, torch.Tensor]:
-        from storyrl.rewards.coherence import encode_pairs
+        from storyrl.models.coherence import encode_pairs
 
         batch = encode_pairs(self.tokenizer, [(a, b) for a, b, _ in items], self.max_length)
         batch["labels"] = torch.tensor([label for _, _, label in items], dtype=torch.long)
@@ -188,7 +188,7 @@ def load_story_texts(paths: Sequence[str]) -> list[str]:
 
 
 def _build_model(config: CoherenceTrainConfig, model, tokenizer):
-    from storyrl.rewards.coherence import CoherenceModel
+    from storyrl.models.coherence import CoherenceModel
 
     if model is None:
         if config.init_from:

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
 import storyrl  # noqa: F401  (CPU-only torchvision fallback before timm)
-from storyrl.rewards.rovist_vg import DEFAULT_VIT, GloVe, RovistVGModel, load_glove
+from storyrl.models.glove import GloVe, load_glove
+from storyrl.models.rovist_vg import DEFAULT_VIT, RovistVGModel
 from storyrl.training.config import TrainConfig
 
 __all__ = [

@@ -1,20 +1,18 @@
-"""Model loading, devices, precision and embedding caches shared by the
-model-based rewards.
+"""CLIP loading (open_clip) and the shared CLIP embedder of the CLIP-based
+rewards (``groovist``, ``clipscore``).
 
-Models load once per process (:func:`shared_model`): every reward asking for
-the same CLIP (model, pretrained tag, device, precision) gets the same
-:class:`ClipEmbedder`, and with it the same in-memory embedding caches, so
-``groovist`` and ``clipscore`` in one run embed a shared image once.
+Every reward asking for the same CLIP (model, pretrained tag, device,
+precision) gets the same :class:`ClipEmbedder` (:func:`clip_embedder`), and
+with it the same in-memory embedding caches, so ``groovist`` and
+``clipscore`` in one run embed a shared image once. open_clip and torch are
+imported when an embedder is built, not with this module.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import sqlite3
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,103 +20,8 @@ from typing import Any
 
 import numpy as np
 
-
-PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-
-
-def resolve_device(device: str | None = None):
-    """``None``/"auto" → CUDA when available, else CPU."""
-    import torch
-
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def check_run_options(precision: str, batch_size: int) -> None:
-    """Validate the precision and batch size every model reward takes."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-
-
-def resolve_precision(precision: str, device) -> str:
-    """"auto" → fp16 on CUDA (what the authors' CLIP runs in on GPU), fp32 elsewhere."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "auto":
-        return "fp16" if getattr(device, "type", str(device)) == "cuda" else "fp32"
-    return precision
-
-
-class LruDict(OrderedDict):
-    """A dict that forgets its least recently used entries beyond ``maxsize``."""
-
-    def __init__(self, maxsize: int = 100_000) -> None:
-        super().__init__()
-        self.maxsize = maxsize
-
-    def get_fresh(self, key: Hashable) -> Any:
-        value = self.get(key)
-        if value is not None:
-            self.move_to_end(key)
-        return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        self[key] = value
-        self.move_to_end(key)
-        while len(self) > self.maxsize:
-            self.popitem(last=False)
-
-
-class DiskEmbeddingCache:
-    """Region embeddings on disk (SQLite), keyed by model, image file and box.
-
-    A file's key includes its size and modification time, so an edited image is
-    re-embedded; in-memory (PIL) images are keyed by content hash.
-    """
-
-    def __init__(self, directory: str | os.PathLike, model_key: str) -> None:
-        self.path = Path(directory) / "embeddings.sqlite"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.model_key = model_key
-        self._local = threading.local()
-        with self._db() as db:
-            db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB NOT NULL)")
-
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = self._local.db = sqlite3.connect(self.path, timeout=60)
-        return db
-
-    def _key(self, region_key: Hashable) -> str:
-        source, box = region_key
-        if isinstance(source, str) and not source.startswith("pil:"):
-            try:
-                st = os.stat(source)
-                source = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}"
-            except OSError:
-                pass
-        raw = repr((self.model_key, source, box)).encode()
-        return hashlib.sha1(raw).hexdigest()
-
-    def get_many(self, keys: Sequence[Hashable]) -> dict[Hashable, np.ndarray]:
-        found = {}
-        db = self._db()
-        for key in keys:
-            row = db.execute("SELECT vec FROM emb WHERE key = ?", (self._key(key),)).fetchone()
-            if row is not None:
-                found[key] = np.frombuffer(row[0], dtype=np.float32)
-        return found
-
-    def put_many(self, items: dict[Hashable, np.ndarray]) -> None:
-        with self._db() as db:
-            db.executemany(
-                "INSERT OR REPLACE INTO emb VALUES (?, ?)",
-                [(self._key(k), np.asarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
-            )
+from storyrl.models.caches import DiskEmbeddingCache, LruDict
+from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
 
 
 @dataclass(frozen=True)
@@ -266,27 +169,8 @@ def _encode_text_trimmed(model, tokens):
     return x
 
 
-_SHARED: dict[Hashable, Any] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def shared_model(key: Hashable, load: Callable[[], Any]) -> Any:
-    """The process-wide object for ``key``, created by ``load()`` on first use:
-    every reward asking for the same model gets the same instance."""
-    with _SHARED_LOCK:
-        if key not in _SHARED:
-            _SHARED[key] = load()
-        return _SHARED[key]
-
-
 def clip_embedder(spec: ClipSpec, batch_size: int = 64) -> ClipEmbedder:
     """The process-wide :class:`ClipEmbedder` for ``spec`` (loaded on first use)."""
     embedder = shared_model(("clip", spec), lambda: ClipEmbedder(spec, batch_size=batch_size))
     embedder.batch_size = batch_size  # a speed setting: the latest caller's applies
     return embedder
-
-
-def release_models() -> None:
-    """Forget every loaded model and its caches (frees memory)."""
-    with _SHARED_LOCK:
-        _SHARED.clear()

@@ -1,0 +1,84 @@
+"""Embedding caches of the model embedders: an in-memory LRU dict and an
+on-disk (SQLite) cache of region embeddings. Light to import (no torch)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+class LruDict(OrderedDict):
+    """A dict that forgets its least recently used entries beyond ``maxsize``."""
+
+    def __init__(self, maxsize: int = 100_000) -> None:
+        super().__init__()
+        self.maxsize = maxsize
+
+    def get_fresh(self, key: Hashable) -> Any:
+        value = self.get(key)
+        if value is not None:
+            self.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > self.maxsize:
+            self.popitem(last=False)
+
+
+class DiskEmbeddingCache:
+    """Region embeddings on disk (SQLite), keyed by model, image file and box.
+
+    A file's key includes its size and modification time, so an edited image is
+    re-embedded; in-memory (PIL) images are keyed by content hash.
+    """
+
+    def __init__(self, directory: str | os.PathLike, model_key: str) -> None:
+        self.path = Path(directory) / "embeddings.sqlite"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.model_key = model_key
+        self._local = threading.local()
+        with self._db() as db:
+            db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB NOT NULL)")
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = self._local.db = sqlite3.connect(self.path, timeout=60)
+        return db
+
+    def _key(self, region_key: Hashable) -> str:
+        source, box = region_key
+        if isinstance(source, str) and not source.startswith("pil:"):
+            try:
+                st = os.stat(source)
+                source = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}"
+            except OSError:
+                pass
+        raw = repr((self.model_key, source, box)).encode()
+        return hashlib.sha1(raw).hexdigest()
+
+    def get_many(self, keys: Sequence[Hashable]) -> dict[Hashable, np.ndarray]:
+        found = {}
+        db = self._db()
+        for key in keys:
+            row = db.execute("SELECT vec FROM emb WHERE key = ?", (self._key(key),)).fetchone()
+            if row is not None:
+                found[key] = np.frombuffer(row[0], dtype=np.float32)
+        return found
+
+    def put_many(self, items: dict[Hashable, np.ndarray]) -> None:
+        with self._db() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO emb VALUES (?, ?)",
+                [(self._key(k), np.asarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
+            )

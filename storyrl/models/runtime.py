@@ -1,0 +1,62 @@
+"""Devices, precision and the process-wide model registry shared by the
+model-based rewards.
+
+Models load once per process (:func:`shared_model`): every reward asking for
+the same model gets the same instance, and with it the same in-memory
+embedding caches. :func:`release_models` forgets them all. Light to import:
+torch is imported only by :func:`resolve_device`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+
+
+def resolve_device(device: str | None = None):
+    """``None``/"auto" → CUDA when available, else CPU."""
+    import torch
+
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def check_run_options(precision: str, batch_size: int) -> None:
+    """Validate the precision and batch size every model reward takes."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
+def resolve_precision(precision: str, device) -> str:
+    """"auto" → fp16 on CUDA (what the authors' CLIP runs in on GPU), fp32 elsewhere."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "auto":
+        return "fp16" if getattr(device, "type", str(device)) == "cuda" else "fp32"
+    return precision
+
+
+_SHARED: dict[Hashable, Any] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_model(key: Hashable, load: Callable[[], Any]) -> Any:
+    """The process-wide object for ``key``, created by ``load()`` on first use:
+    every reward asking for the same model gets the same instance."""
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = load()
+        return _SHARED[key]
+
+
+def release_models() -> None:
+    """Forget every loaded model and its caches (frees memory)."""
+    with _SHARED_LOCK:
+        _SHARED.clear()

@@ -1,0 +1,76 @@
+"""storyrl.models as a package: importing it (or a reward module) loads no
+torch, every name it offers resolves to its submodule's object, and the
+reward options' defaults match the models'."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "open_clip", "timm", "torchvision")
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "storyrl.models",
+        "storyrl.models.runtime",
+        "storyrl.models.caches",
+        "storyrl.models.clip",
+        "storyrl.models.glove",
+        "storyrl.rewards.coherence",
+        "storyrl.rewards.rovist_vg",
+        "storyrl.rewards.clip_base",
+        "storyrl.noun_phrases",
+    ],
+)
+def test_import_loads_no_heavy_library(module):
+    code = (
+        f"import json, sys, {module}\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert json.loads(out) == []
+
+
+def test_package_names_are_the_submodules_objects():
+    import storyrl.models as models
+    from storyrl.models import caches, clip, coherence, glove, rovist_vg, runtime
+
+    homes = {
+        "PRECISIONS": runtime, "check_run_options": runtime, "release_models": runtime,
+        "resolve_device": runtime, "resolve_precision": runtime, "shared_model": runtime,
+        "DiskEmbeddingCache": caches, "LruDict": caches,
+        "ClipEmbedder": clip, "ClipSpec": clip, "clip_embedder": clip,
+        "GloVe": glove, "load_glove": glove, "shared_glove": glove,
+        "CoherenceModel": coherence, "encode_pairs": coherence, "load_coherence_model": coherence,
+        "RovistVGEmbedder": rovist_vg, "RovistVGModel": rovist_vg, "rovist_vg_embedder": rovist_vg,
+    }
+    assert set(models.__all__) == set(homes)
+    for name, home in homes.items():
+        assert getattr(models, name) is getattr(home, name), name
+    assert set(models.__all__) <= set(dir(models))
+    with pytest.raises(AttributeError):
+        models.no_such_name  # noqa: B018
+
+
+def test_shared_models_are_one_registry():
+    from storyrl.models import release_models, shared_model
+
+    calls = []
+    first = shared_model(("test", "registry"), lambda: calls.append(1) or object())
+    assert shared_model(("test", "registry"), lambda: calls.append(1) or object()) is first
+    assert calls == [1]
+    release_models()
+    assert shared_model(("test", "registry"), lambda: calls.append(1) or object()) is not first
+    release_models()
+
+
+def test_coherence_reward_default_base_is_the_models():
+    from storyrl.models.coherence import DEFAULT_BASE
+    from storyrl.rewards.coherence import Coherence
+
+    assert Coherence().config()["base_model"] == DEFAULT_BASE
