@@ -41,7 +41,7 @@ def test_package_names_are_the_submodules_objects():
     from storyrl.models import caches, clip, coherence, glove, rovist_vg, runtime
 
     homes = {
-        "PRECISIONS": runtime, "check_run_options": runtime, "release_models": runtime,
+        "PRECISIONS": runtime, "release_models": runtime,
         "resolve_device": runtime, "resolve_precision": runtime, "shared_model": runtime,
         "DiskEmbeddingCache": caches, "LruDict": caches,
         "ClipEmbedder": clip, "ClipSpec": clip, "clip_embedder": clip,

@@ -4,7 +4,6 @@ the command line alike."""
 
 from __future__ import annotations
 
-import inspect
 import typing
 from pathlib import Path
 from typing import Literal
@@ -13,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from storyrl.cli import main
-from storyrl.options import ConfigFileError, check_type, load_yaml
+from storyrl.config import ConfigFileError, check_type, load_yaml, option_info
 from storyrl.rewards import create_reward, get_reward_class, list_rewards, load_reward_config
 from storyrl.rewards.repetition import Repetition
 
@@ -23,20 +22,12 @@ WRONG = {bool: "false", int: True, float: "0.5", str: 1}
 
 
 def _declared_options(cls) -> list[tuple[str, object]]:
-    """(option, declared scalar type) over the constructors of cls's MRO."""
+    """(option, declared scalar type) of the reward's config dataclass."""
     found = []
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None or klass is object:
-            continue
-        hints = typing.get_type_hints(init)
-        for name, param in inspect.signature(init).parameters.items():
-            tp = hints.get(name)
-            if tp is None or name == "self":
-                continue
-            scalar = [t for t in typing.get_args(tp) or (tp,) if t in WRONG]
-            if scalar:
-                found.append((name, scalar[0]))
+    for info in option_info(cls.config_class):
+        scalar = [t for t in typing.get_args(info.type) or (info.type,) if t in WRONG]
+        if scalar:
+            found.append((info.name, scalar[0]))
     return found
 
 
@@ -134,11 +125,13 @@ def test_training_configs_are_strict_in_python_too():
     assert CoherenceTrainConfig(output_dir="o", stories=["a"], lr=1).lr == 1.0
 
 
-def test_every_reward_constructor_is_checked():
-    # The base class wraps each constructor when a reward class is defined
-    # (classes without options of their own keep Reward.__init__).
-    from storyrl.rewards import Reward
+def test_every_reward_declares_its_options_in_its_own_config():
+    # Options are validated by the reward's config dataclass wherever the
+    # reward is created; an undeclared option is refused, not ignored.
+    from storyrl.config import Config
 
-    for name in list_rewards():
-        init = get_reward_class(name).__init__
-        assert init is Reward.__init__ or getattr(init, "__checks_options__", False), name
+    for name in BUILTIN:
+        cls = get_reward_class(name)
+        assert issubclass(cls.config_class, Config) and "config_class" in cls.__dict__, name
+        with pytest.raises(TypeError, match=f"reward '{name}': bad configuration: unknown option 'bogus'"):
+            cls(bogus=1)

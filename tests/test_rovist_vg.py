@@ -320,12 +320,12 @@ def test_bad_configuration(model_dir, glove_path, tmp_path):
 def test_config_files_parse():
     import yaml
 
-    from storyrl.rewards import accepted_options
+    from storyrl.config import option_info
     from storyrl.training.rovist_vg import RovistVGTrainConfig
 
     repo = Path(__file__).resolve().parents[1]
     reward_cfg = yaml.safe_load((repo / "configs" / "rewards" / "rovist_vg.yaml").read_text())
-    assert reward_cfg["reward"] == "rovist_vg" and set(reward_cfg) - {"reward"} <= accepted_options(RovistVG)
+    assert reward_cfg["reward"] == "rovist_vg" and set(reward_cfg) - {"reward"} <= {o.name for o in option_info(RovistVG.config_class)}
     train = RovistVGTrainConfig.from_yaml(repo / "configs" / "training" / "rovist_vg.yaml")
     # The paper's optimiser settings (RoViST App. B).
     assert (train.lr, train.batch_size, train.weight_decay, train.lr_decay, train.patience, train.val_fraction) == (

@@ -1,89 +1,73 @@
-"""The reward options of ``score`` and ``groovist-calibrate``: the click
-options, how their values reach each reward, and the story-context files
-(``--image-ids``, ``--noun-phrases``) they name."""
+"""The reward options of ``score`` and ``groovist-calibrate``: generated
+from the rewards' configs (:mod:`storyrl.cli.config_options`), how their
+values reach each reward, and the story-context files (``--image-ids``,
+``--noun-phrases``) the commands read."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from storyrl.cli.common import _DIR, _FILE, _fail
+from storyrl.cli.common import _FILE, _fail
+from storyrl.cli.config_options import given, split_reward_options
 
-# Options of the image-based rewards; each reaches the rewards that accept it.
-_REWARD_OPTIONS = [
-    click.option("--image-root", type=_DIR, help="Directory that image paths and image ids are resolved against."),
+# Story-context files: not reward options, but read into the records.
+CONTEXT_FILE_OPTIONS = [
     click.option("--image-ids", "image_id_map", type=_FILE, help="JSON {story_id: [image ids]} for story sets without images."),
-    click.option("--regions", type=click.Choice(["table", "crops", "grid", "whole"]), help="Region source (groovist)."),
-    click.option("--region-table", type=_FILE, help="Region table CSV (image_id,bbox rows; top-B per image in file order)."),
-    click.option("--crops-dir", type=_DIR, help="Directory of precomputed crops named <image_id>_<bbox>.jpg."),
-    click.option("--top-b", type=click.IntRange(min=1), help="Regions per image (default 10)."),
-    click.option("--clip-model", help="open_clip model name, hf-hub:org/repo or local-dir:PATH (default ViT-B-32)."),
-    click.option("--clip-pretrained", help="open_clip pretrained tag or local checkpoint (default openai)."),
-    click.option("--device", help="cuda, cpu, ... (default: CUDA when available)."),
-    click.option("--precision", type=click.Choice(["auto", "fp32", "fp16", "bf16"])),
-    click.option("--theta", help="GROOViST θ: a number or vist, aesop, vwp, custom."),
-    click.option("--spacy-pipeline", help="spaCy pipeline for noun phrases (default en_core_web_trf)."),
     click.option("--noun-phrases", "noun_phrase_map", type=_FILE, help="Precomputed NPs, JSON {story_id: [phrases]} (skips spaCy)."),
-    click.option("--concreteness", type=_FILE, help="Concreteness ratings file (default: storyrl asset cache)."),
-    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), help="On-disk region-embedding cache."),
-    click.option("--coherence-model", type=click.Path(exists=True, path_type=Path), help="RoViST-C model: storyrl directory or the authors' checkpoint."),
-    click.option("--trust-checkpoint/--no-trust-checkpoint", default=None, help="Allow unpickling the authors' RoViST-C checkpoint (only for files you trust)."),
-    click.option("--mode", type=click.Choice(["prefix", "adjacent"]), help="Coherence pairs: prefix (d_HM, default) or adjacent (RoViST)."),
-    click.option("--rovist-vg-model", type=click.Path(exists=True, file_okay=False, path_type=Path), help="RoViST-VG model directory (storyrl train rovist-vg)."),
-    click.option("--glove", type=_FILE, help="GloVe word vectors, text format (rovist_vg)."),
-    click.option("--idf-corpus", type=_FILE, help="Story set whose word document frequencies give idf weights."),
 ]
-# CLI option -> (reward, constructor argument) where the name alone would be ambiguous.
-_RENAMED_OPTIONS = {"coherence_model": ("coherence", "model"), "rovist_vg_model": ("rovist_vg", "model")}
+EPILOG = ("Every option of a reward also has the spelling --<reward>-<option> (e.g. --coherence-model, "
+          "--groovist-batch-size), which reaches only that reward; `storyrl rewards NAME` lists a reward's options.")
 
 
-def _reward_options(function):
-    for option in reversed(_REWARD_OPTIONS):
+def context_file_options(function):
+    for option in reversed(CONTEXT_FILE_OPTIONS):
         function = option(function)
     return function
 
 
-def _option_values(kwargs: dict) -> tuple[dict, dict]:
-    """Split command kwargs into reward options and story-context files."""
-    context_files = {"image_ids": kwargs.pop("image_id_map"), "noun_phrases": kwargs.pop("noun_phrase_map")}
-    options = {k: str(v) if isinstance(v, Path) else v for k, v in kwargs.items() if v is not None}
-    return options, context_files
+def input_paths(values: dict[str, Any]) -> list[str]:
+    """Every path-like value given, for the check that no output overwrites an input."""
+    found = []
+    for value in given(values).values():
+        found += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+    return found
 
 
-def _make_rewards(names: list[str], configs, options: dict) -> list:
-    from storyrl.rewards import accepted_options, create_reward, get_reward_class, load_reward_config
-
-    def options_for(name: str) -> dict:
-        own = {k: v for k, v in options.items() if k not in _RENAMED_OPTIONS}
-        own.update({arg: options[k] for k, (reward, arg) in _RENAMED_OPTIONS.items() if reward == name and k in options})
-        return own
+def make_rewards(names: list[str], configs, values: dict[str, Any]) -> list:
+    """The rewards named by ``--metrics`` and by ``--config`` files, with the
+    given command-line options (which win over a config file's)."""
+    from storyrl.rewards import REWARDS, create_reward, load_reward_config
 
     try:
-        rewards = [load_reward_config(c, overrides=options_for(_config_reward_name(c))) for c in configs]
-        for name in names:
-            allowed = accepted_options(get_reward_class(name))
-            rewards.append(create_reward(name, **{k: v for k, v in options_for(name).items() if k in allowed}))
+        names = [REWARDS.resolve(n) for n in names]
+        in_files = [_config_reward_name(c) for c in configs]
+        in_files = [REWARDS.resolve(n) if n in REWARDS else None for n in in_files]
+        per_reward = split_reward_options(values, {n for n in (*names, *in_files) if n is not None})
+        rewards = [load_reward_config(c, overrides=per_reward.get(n)) for c, n in zip(configs, in_files)]
+        rewards += [create_reward(name, **per_reward[name]) for name in names]
     except (KeyError, TypeError, ValueError) as exc:
         _fail(str(exc.args[0] if isinstance(exc, KeyError) else exc))
     return rewards
 
 
 def _config_reward_name(path: Path) -> str | None:
-    import yaml
+    from storyrl.config import ConfigFileError, load_yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+        data = load_yaml(path)
+    except ConfigFileError:
         return None  # load_reward_config reports it
     return data.get("reward") if isinstance(data, dict) else None
 
 
-def _attach_context_files(records, files: dict) -> None:
+def attach_context_files(records, image_id_map: Path | None, noun_phrase_map: Path | None) -> None:
     """Fill records' image ids / noun phrases from ``--image-ids`` / ``--noun-phrases``."""
     from storyrl.data import StoryDataError, load_id_lists
 
-    for key, path in files.items():
+    for key, path in (("image_ids", image_id_map), ("noun_phrases", noun_phrase_map)):
         if path is None:
             continue
         try:

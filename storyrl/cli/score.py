@@ -1,5 +1,5 @@
 """Scoring commands: ``score`` (stories -> score CSV), ``groovist-calibrate``
-(θ for a dataset) and ``rewards`` (the registered reward names)."""
+(θ for a dataset) and ``rewards`` (the registered rewards and their options)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,38 @@ from pathlib import Path
 import click
 
 from storyrl.cli.common import _FILE, _check_outputs, _fail, _metric_list
-from storyrl.cli.reward_options import _attach_context_files, _make_rewards, _option_values, _reward_options
+from storyrl.cli.config_options import GeneratedOptionsCommand, reward_options
+from storyrl.cli.reward_options import EPILOG, attach_context_files, context_file_options, input_paths, make_rewards
 
 
 @click.command("rewards")
-def list_rewards_cmd() -> None:
-    """List the registered rewards."""
-    from storyrl.rewards import list_rewards
+@click.argument("name", required=False)
+def list_rewards_cmd(name) -> None:
+    """List the registered rewards with a one-line description each, or
+    NAME's options (type, default, description)."""
+    from storyrl.rewards import REWARDS
 
-    for name in list_rewards():
-        click.echo(name)
+    if name is None:
+        width = max(map(len, REWARDS.names()))
+        for reward in REWARDS.names():
+            click.echo(f"{reward:<{width}}  {REWARDS.describe(reward)}")
+        return
+    from tabulate import tabulate
+
+    from storyrl.config import REQUIRED, option_info
+
+    try:
+        cls = REWARDS.get(name)
+    except KeyError as exc:
+        _fail(exc.args[0])
+    click.echo(f"{REWARDS.resolve(name)}: {REWARDS.describe(name)}")
+    rows = [
+        [info.name, str(info.type).replace("typing.", "").replace("<class '", "").replace("'>", ""),
+         "(required)" if info.default is REQUIRED else repr(info.default),
+         info.help + (f" One of: {', '.join(map(str, info.choices))}." if info.choices else "")]
+        for info in option_info(cls.config_class)
+    ]
+    click.echo(tabulate(rows, headers=["option", "type", "default", "description"]))
 
 
 def _ready(rewards) -> None:
@@ -29,7 +51,7 @@ def _ready(rewards) -> None:
         reward.setup()
 
 
-@click.command()
+@click.command(cls=GeneratedOptionsCommand, generate=lambda own: reward_options(own=own), epilog=EPILOG)
 @click.argument("stories", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--metrics", "-m", default="", help="Comma-separated reward names, e.g. repetition,groovist.")
 @click.option(
@@ -45,8 +67,9 @@ def _ready(rewards) -> None:
 @click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
-@_reward_options
-def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, explain, **reward_kwargs) -> None:
+@context_file_options
+def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, explain, image_id_map, noun_phrase_map,
+          **reward_values) -> None:
     """Score the stories in STORIES (JSON {id: story} or JSONL records) and
     write OUT as CSV: story_id plus one column per metric (empty = unscorable).
     Rows are written as they are scored; --resume continues an interrupted run.
@@ -62,11 +85,10 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
         _fail("--resume and --overwrite exclude each other")
     if out.suffix.lower() != ".csv":
         _fail(f"--out {out}: score tables are CSV files; name it *.csv")
-    inputs = [stories, *configs, *(v for v in reward_kwargs.values() if isinstance(v, Path))]
+    inputs = [stories, *configs, image_id_map, noun_phrase_map, *input_paths(reward_values)]
     _check_outputs({"--out": out, "--explain": explain}, inputs, "keep" if resume or overwrite else "refuse")
 
-    options, context_files = _option_values(reward_kwargs)
-    rewards = _make_rewards(names, configs, options)
+    rewards = make_rewards(names, configs, reward_values)
     explainer = next((r for r in rewards if hasattr(r, "explain")), None)
     if explain is not None and explainer is None:
         _fail("--explain needs a metric with per-phrase details (groovist)")
@@ -74,7 +96,7 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
     if len(set(columns)) != len(columns):
         _fail(f"a metric is requested twice: {columns}")
     records = load_stories(stories)
-    _attach_context_files(records, context_files)
+    attach_context_files(records, image_id_map, noun_phrase_map)
     _ready(rewards)
 
     with ScoreWriter(out, columns, resume=resume, overwrite=overwrite) as writer:
@@ -177,25 +199,25 @@ def _print_summary(table, columns) -> dict[str, int]:
     return scored
 
 
-@click.command("groovist-calibrate")
+@click.command("groovist-calibrate", cls=GeneratedOptionsCommand,
+               generate=lambda own: reward_options(["groovist"], own=own), epilog=EPILOG)
 @click.argument("stories", type=_FILE)
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@_reward_options
-def groovist_calibrate(stories, batch_size, quiet, **reward_kwargs) -> None:
+@context_file_options
+def groovist_calibrate(stories, batch_size, quiet, image_id_map, noun_phrase_map, **reward_values) -> None:
     """θ for a dataset: the mean NP score (2.5 x best CLIP cosine) over all
     noun phrases of the stories in STORIES (with their images). Prints JSON;
     pass the value to --theta or a config's theta."""
     from storyrl.data import StoryDataError, load_stories
     from storyrl.rewards.groovist import calibrate_theta
 
-    options, context_files = _option_values(reward_kwargs)
-    (reward,) = _make_rewards(["groovist"], (), options)
+    (reward,) = make_rewards(["groovist"], (), reward_values)
     try:
         records = load_stories(stories)
     except StoryDataError as exc:
         _fail(str(exc))
-    _attach_context_files(records, context_files)
+    attach_context_files(records, image_id_map, noun_phrase_map)
     context = _context(records)
     from tqdm import tqdm
 

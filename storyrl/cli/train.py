@@ -1,48 +1,51 @@
-"""Training commands: the ``train`` group with one command per learned metric
-(``train coherence``, ``train rovist-vg``), each over its trainer module."""
+"""Training commands: the ``train`` group, one command per registered trainer
+(:data:`storyrl.training.TRAINERS`), with options generated from the
+trainer's config dataclass."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import click
 
 from storyrl.cli.common import _FILE, _fail, _json
+from storyrl.cli.config_options import GeneratedOptionsCommand, config_options, given
 
 
-@click.group()
+class _TrainerGroup(click.Group):
+    """Commands made from the trainer registry on demand; a trainer's module
+    (torch, transformers) is imported only when its options are needed."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        from storyrl.training import TRAINERS
+
+        return TRAINERS.names()
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        from storyrl.training import TRAINERS
+
+        if name not in TRAINERS:
+            return None
+        return _train_command(TRAINERS.resolve(name), TRAINERS.describe(name))
+
+
+@click.group(cls=_TrainerGroup)
 def train() -> None:
     """Train the learned metrics (RoViST-C coherence, RoViST-VG). Multi-GPU:
     run under `accelerate launch -m storyrl.cli train ...`."""
 
 
-# command -> (module, config class, train function); the module is imported
-# only when its command runs (it imports torch and transformers).
-_TRAINERS = {
-    "coherence": ("storyrl.training.coherence", "CoherenceTrainConfig", "train_coherence"),
-    "rovist-vg": ("storyrl.training.rovist_vg", "RovistVGTrainConfig", "train_rovist_vg"),
-}
+def _train_command(name: str, description: str) -> click.Command:
+    def options(own: set[str]) -> list[click.Parameter]:
+        from storyrl.training import TRAINERS
 
+        return config_options(TRAINERS.get(name).config_class, own)
 
-def _train_command(kind: str):
-    module_name, config_class, function = _TRAINERS[kind]
+    def command(config_path, resume, quiet, **values) -> None:
+        from storyrl.training import TRAINERS
 
-    @train.command(kind, help=f"Train the {kind} model from a config YAML: best model in OUTPUT_DIR/best, "
-                   "resumable state in OUTPUT_DIR/last, one JSON line per epoch in OUTPUT_DIR/history.jsonl.")
-    @click.option("--config", "config_path", required=True, type=_FILE, help=f"Training config YAML (configs/training/{kind.replace('-', '_')}.yaml).")
-    @click.option("--output-dir", type=click.Path(file_okay=False, path_type=Path), help="Overrides the config's output_dir.")
-    @click.option("--resume", is_flag=True, help="Continue from OUTPUT_DIR/last.")
-    @click.option("--max-steps", type=click.IntRange(min=1), help="Stop after this many optimizer steps.")
-    @click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
-    def command(config_path, output_dir, resume, max_steps, quiet) -> None:
-        import importlib
-
-        module = importlib.import_module(module_name)
+        trainer = TRAINERS.get(name)
         try:
-            config = getattr(module, config_class).from_yaml(
-                config_path, output_dir=str(output_dir) if output_dir else None, max_steps=max_steps
-            )
-            result = getattr(module, function)(config, resume=resume, progress=not quiet)
+            config = trainer.config_class.from_yaml(config_path, **given(values))
+            result = trainer.train(config, resume=resume, progress=not quiet)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
         click.echo(_json({
@@ -53,8 +56,14 @@ def _train_command(kind: str):
             "stopped_early": result.stopped_early,
         }))
 
-    return command
-
-
-for _kind in _TRAINERS:
-    _train_command(_kind)
+    help_text = (f"{description} Trains from a config YAML; every config key can also be given as an option, "
+                 "which wins over the file. Best model in OUTPUT_DIR/best, resumable state in OUTPUT_DIR/last, "
+                 "one JSON line per epoch in OUTPUT_DIR/history.jsonl.")
+    params = [
+        click.Option(["--config", "config_path"], required=True, type=_FILE,
+                     help=f"Training config YAML (configs/training/{name}.yaml)."),
+        click.Option(["--resume"], is_flag=True, help="Continue from OUTPUT_DIR/last."),
+        click.Option(["--quiet", "-q"], is_flag=True, help="No progress bars."),
+    ]
+    return GeneratedOptionsCommand(name, params=params, callback=command, help=help_text,
+                                   short_help=description, generate=options)

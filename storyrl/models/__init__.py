@@ -28,7 +28,6 @@ from storyrl.models.clip import ClipEmbedder, ClipSpec, clip_embedder
 from storyrl.models.glove import GloVe, load_glove, shared_glove
 from storyrl.models.runtime import (
     PRECISIONS,
-    check_run_options,
     release_models,
     resolve_device,
     resolve_precision,
@@ -52,7 +51,6 @@ __all__ = [
     "DiskEmbeddingCache",
     "GloVe",
     "LruDict",
-    "check_run_options",
     "clip_embedder",
     "load_glove",
     "release_models",

@@ -26,14 +26,6 @@ def resolve_device(device: str | None = None):
     return torch.device(device)
 
 
-def check_run_options(precision: str, batch_size: int) -> None:
-    """Validate the precision and batch size every model reward takes."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-
-
 def resolve_precision(precision: str, device) -> str:
     """"auto" → fp16 on CUDA (what the authors' CLIP runs in on GPU), fp32 elsewhere."""
     if precision not in PRECISIONS:

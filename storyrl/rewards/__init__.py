@@ -1,22 +1,23 @@
-"""Reward registry: ``create_reward("repetition", **config)``.
+"""Rewards: ``create_reward("repetition", **options)``.
 
-Built-in rewards are registered by import path so that listing or creating a
-model-free reward never imports torch. Register your own with
-:func:`register_reward`.
+Built-in rewards are registered in :data:`REWARDS` by import path, with a
+one-line description, so listing them or creating a model-free reward never
+imports torch. Register your own with :func:`register_reward`.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
 from pathlib import Path
 from typing import Any
 
-from storyrl.rewards.base import Reward, completion_text
+from storyrl.registry import Registry
+from storyrl.rewards.base import ModelConfig, Reward, RewardConfig, completion_text
 
 __all__ = [
+    "REWARDS",
+    "ModelConfig",
     "Reward",
-    "accepted_options",
+    "RewardConfig",
     "completion_text",
     "create_reward",
     "get_reward_class",
@@ -25,79 +26,48 @@ __all__ = [
     "register_reward",
 ]
 
-_REGISTRY: dict[str, type[Reward] | str] = {
-    "repetition": "storyrl.rewards.repetition:Repetition",
-    "groovist": "storyrl.rewards.groovist:GROOViST",
-    "clipscore": "storyrl.rewards.clipscore:CLIPScore",
-    "coherence": "storyrl.rewards.coherence:Coherence",
-    "rovist_vg": "storyrl.rewards.rovist_vg:RovistVG",
-}
+REWARDS: Registry[type[Reward]] = Registry("reward")
+REWARDS.add("repetition", "storyrl.rewards.repetition:Repetition",
+            "RoViST-NR non-redundancy: 1 minus n-gram overlap within and across sentences (no model).")
+REWARDS.add("groovist", "storyrl.rewards.groovist:GROOViST",
+            "GROOViST visual grounding: CLIP noun-phrase / image-region alignment with a θ penalty.")
+REWARDS.add("clipscore", "storyrl.rewards.clipscore:CLIPScore",
+            "CLIPScore of each sentence against its image, averaged over the sequence.")
+REWARDS.add("coherence", "storyrl.rewards.coherence:Coherence",
+            "RoViST-C coherence: mean P(sentence follows) from an ALBERT sentence-order model.")
+REWARDS.add("rovist_vg", "storyrl.rewards.rovist_vg:RovistVG",
+            "RoViST-VG visual grounding: GloVe nouns / ViT regions, idf-weighted log-sum-exp.",
+            aliases=("rovist-vg",))
 
 
-def register_reward(name: str | None = None):
-    """Class decorator adding a :class:`Reward` subclass to the registry under
-    ``name`` (default: the class's ``name`` attribute)."""
-
-    def decorator(cls: type[Reward]) -> type[Reward]:
-        key = name or cls.name
-        if not key:
-            raise ValueError(f"{cls.__name__}: a registered reward needs a name")
-        _REGISTRY[key] = cls
-        return cls
-
-    return decorator
+def register_reward(name: str | None = None, *, description: str | None = None):
+    """Class decorator adding a :class:`Reward` subclass to :data:`REWARDS`
+    under ``name`` (default: the class's ``name`` attribute; description:
+    the first line of its docstring)."""
+    return REWARDS.register(name, description=description)
 
 
 def list_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    return REWARDS.names()
 
 
 def get_reward_class(name: str) -> type[Reward]:
-    try:
-        entry = _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"unknown reward {name!r}; available: {', '.join(list_rewards())}") from None
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = _REGISTRY[name] = getattr(importlib.import_module(module), attr)
-    return entry
+    return REWARDS.get(name)
 
 
-def accepted_options(cls: type[Reward]) -> set[str]:
-    """Constructor options of a reward class, following ``**kwargs`` that are
-    passed on to base classes."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = inspect.signature(init).parameters.values()
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return names
-
-
-def create_reward(name: str, **config: Any) -> Reward:
-    """Instantiate a registered reward with its configuration. Every option is
-    checked against the type its constructor declares (TypeError naming the
-    reward and the option; nothing is converted)."""
-    cls = get_reward_class(name)
-    allowed = accepted_options(cls)
-    unknown = [k for k in config if k not in allowed]
-    if unknown:
-        raise TypeError(
-            f"reward {name!r}: bad configuration: unknown option {unknown[0]!r}; "
-            f"valid options: {', '.join(sorted(allowed))}"
-        )
-    return cls(**config)
+def create_reward(name: str, **options: Any) -> Reward:
+    """Instantiate a registered reward. Every option is checked against the
+    type its config declares (TypeError naming the reward and the option;
+    nothing is converted), then its value (ValueError)."""
+    return get_reward_class(name)(**options)
 
 
 def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Reward:
     """Create a reward from a YAML file: ``reward: <name>`` plus its options.
-    ``overrides`` (e.g. command-line options) replace file options the reward
-    accepts; others are ignored. Errors are ValueErrors naming the file."""
-    from storyrl.options import load_yaml
+    ``overrides`` (e.g. command-line options) replace file options; ones the
+    reward does not declare are ignored. Errors are ValueErrors naming the
+    file."""
+    from storyrl.config import load_yaml, option_info
 
     path = Path(path)
     data = load_yaml(path)
@@ -105,10 +75,10 @@ def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None
         raise ValueError(f"{path}: a reward config is a mapping with a 'reward: <name>' key")
     options = {k: v for k, v in data.items() if k != "reward"}
     try:
-        if overrides:
-            allowed = accepted_options(get_reward_class(data["reward"]))
-            options.update({k: v for k, v in overrides.items() if k in allowed})
-        return create_reward(data["reward"], **options)
+        cls = get_reward_class(data["reward"])
+        declared = {info.name for info in option_info(cls.config_class)}
+        config = cls.config_class.from_mapping(options, **{k: v for k, v in (overrides or {}).items() if k in declared})
+        return cls(config)
     except KeyError as exc:
         raise ValueError(f"{path}: {exc.args[0]}") from None
     except (TypeError, ValueError) as exc:

@@ -3,6 +3,12 @@
 A reward scores a *batch* of stories and returns a float array with NaN for
 stories it cannot score. The same object is a TRL reward function: calling it
 with ``prompts=..., completions=...`` returns ``list[float | None]``.
+
+Each reward declares its options once, as a :class:`RewardConfig` dataclass
+(its ``config_class``); ``Reward(**options)`` and ``Reward(config)`` both
+validate them, ``reward.args`` holds the config (as ``trainer.args`` does in
+TRL), options read as attributes (``reward.theta``), and ``config()`` and the
+repr come from it.
 """
 
 from __future__ import annotations
@@ -12,9 +18,13 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+
+from storyrl.config import Config, Configurable, option
+from storyrl.models.runtime import PRECISIONS
 
 log = logging.getLogger(__name__)
 
@@ -71,32 +81,41 @@ def completion_text(completion: Any) -> str | None:
     return "\n".join(parts) if parts else None
 
 
-class Reward:
+@dataclass
+class RewardConfig(Config):
+    """Base of the rewards' config dataclasses (no options of its own)."""
+
+
+@dataclass
+class ModelConfig(RewardConfig):
+    """Options of the rewards that run a model."""
+
+    device: str | None = option(None, "cuda, cpu, ... (default: CUDA when available).")
+    precision: str = option("auto", "auto (fp16 on CUDA, fp32 on CPU), fp32, fp16 or bf16.", choices=PRECISIONS)
+    batch_size: int = option(64, "Inputs per forward pass.", min=1)
+
+
+class Reward(Configurable):
     """Base class of storyrl rewards.
 
-    Subclasses set ``name``, ``higher_is_better`` and ``value_range`` and
-    implement :meth:`_score_batch` (valid strings in, floats out, NaN for an
-    unscorable story). The base class guarantees the contract: non-string
-    stories are NaN, a story whose scoring raises is NaN (and logged), and
-    counts of scored and unscorable stories are kept in :attr:`stats`.
+    Subclasses set ``name``, ``higher_is_better``, ``value_range`` and
+    ``config_class`` and implement :meth:`_score_batch` (valid strings in,
+    floats out, NaN for an unscorable story). The base class guarantees the
+    contract: non-string stories are NaN, a story whose scoring raises is NaN
+    (and logged), and counts of scored and unscorable stories are kept in
+    :attr:`stats`.
     """
 
+    kind = "reward"
     name: ClassVar[str] = ""
     higher_is_better: ClassVar[bool] = True
     #: Documented (closed) range of finite scores.
     value_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
+    #: The dataclass declaring the reward's options.
+    config_class: ClassVar[type[RewardConfig]] = RewardConfig
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        # Options are type-checked against the constructor's annotations
-        # wherever the reward is created (Python, YAML, command line).
-        super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and not getattr(init, "__checks_options__", False):
-            from storyrl.options import checked_init
-
-            cls.__init__ = checked_init(init, lambda self: f"reward {self.name or type(self).__name__!r}")
-
-    def __init__(self) -> None:
+    def __init__(self, config: RewardConfig | None = None, /, **options: Any) -> None:
+        super().__init__(config, **options)
         # TRL names reward columns after the callable's __name__.
         self.__name__ = self.name
         self.stats = {"scored": 0, "unscorable": 0, "reasons": Counter()}
@@ -199,14 +218,6 @@ class Reward:
         if callable(log_metric) and len(scores):
             log_metric(f"{self.name}/unscorable_frac", float(np.isnan(scores).mean()))
         return [None if math.isnan(s) else float(s) for s in scores]
-
-    def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
-        return f"{type(self).__name__}({params})"
-
-    def config(self) -> dict[str, Any]:
-        """Constructor arguments that recreate this reward (for configs/logs)."""
-        return {}
 
 
 def _take(key: str, value: Any, index: list[int], n: int) -> Any:

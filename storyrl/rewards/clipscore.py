@@ -11,11 +11,13 @@ cannot gain by saying less); sentences beyond the last image are ignored.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from storyrl.rewards.clip_base import ClipReward
+from storyrl.config import option
+from storyrl.rewards.clip_base import ClipConfig, ClipReward
 
 WEIGHT = 2.5
 PREFIX = "A photo depicts"
@@ -33,6 +35,11 @@ def with_prefix(sentence: str, prefix: str | None) -> str:
     return f"{prefix.rstrip()} {sentence}" if prefix else sentence
 
 
+@dataclass
+class CLIPScoreConfig(ClipConfig):
+    prefix: str | None = option(PREFIX, "Text put before every sentence, as in Hessel et al. (null: none).")
+
+
 class CLIPScore(ClipReward):
     """CLIPScore of a story against its image sequence (range [0, 2.5]).
 
@@ -44,13 +51,7 @@ class CLIPScore(ClipReward):
     name = "clipscore"
     higher_is_better = True
     value_range = (0.0, WEIGHT)
-
-    def __init__(self, prefix: str | None = PREFIX, **clip_options: Any) -> None:
-        super().__init__(**clip_options)
-        self.prefix = prefix
-
-    def config(self) -> dict[str, Any]:
-        return {"prefix": self.prefix, **super().config()}
+    config_class = CLIPScoreConfig
 
     def _score_batch(self, stories: list[str], images=None, image_ids=None, **_: Any) -> np.ndarray:
         from storyrl.images import WholeImage

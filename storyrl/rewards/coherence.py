@@ -21,11 +21,13 @@ only unpickled with ``trust_checkpoint=True`` because unpickling can run code.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from storyrl.rewards.base import Reward
+from storyrl.config import option
+from storyrl.rewards.base import ModelConfig, Reward
 
 MODES = ("prefix", "adjacent")
 
@@ -44,64 +46,29 @@ def story_coherence(pair_scores: list[float]) -> float:
     return float(np.mean(pair_scores)) if len(pair_scores) else math.nan
 
 
+@dataclass
+class CoherenceConfig(ModelConfig):
+    model: str | None = option(None, "RoViST-C model: a storyrl coherence directory (storyrl train coherence) or "
+                               "the authors' checkpoint file.", path="any")
+    # = storyrl.models.coherence.DEFAULT_BASE, not imported: that module loads torch
+    base_model: str = option("albert-large-v1", "ALBERT config/tokenizer source for the authors' checkpoint.")
+    trust_checkpoint: bool = option(False, "Allow unpickling the authors' RoViST-C checkpoint (only for files you "
+                                    "trust).")
+    mode: str = option("prefix", "Sentence pairs: prefix (d_HM) or adjacent (original RoViST).", choices=MODES)
+    batch_size: int = option(64, "At most this many sentence pairs per forward pass (sorted by length).", min=1)
+    max_length: int = option(512, "Token limit of a pair (ALBERT: 512).", min=8)
+    max_batch_tokens: int | None = option(None, "Padded tokens per forward pass (default 512 on CPU, where big "
+                                          "batches are slower, 32768 on CUDA).", min=1)
+
+
 class Coherence(Reward):
     """RoViST-C coherence as a reward: mean P(sentence follows), in [0, 1].
-
-    Args:
-        model: a storyrl coherence directory or the authors' checkpoint file.
-        base_model: ALBERT config/tokenizer source for the authors' checkpoint
-            (default albert-large-v1).
-        trust_checkpoint: allow unpickling the authors' checkpoint.
-        mode: "prefix" (d_HM, default) or "adjacent" (original RoViST).
-        device, precision: as for the CLIP rewards ("auto": fp16 on CUDA).
-        batch_size: at most this many sentence pairs per forward pass
-            (pairs are sorted by length).
-        max_length: token limit of a pair (ALBERT: 512).
-        max_batch_tokens: padded tokens per forward pass (default 512 on
-            CPU, where big batches are slower, 32768 on CUDA).
-    """
+    Options: :class:`CoherenceConfig`."""
 
     name = "coherence"
     higher_is_better = True
     value_range = (0.0, 1.0)
-
-    def __init__(
-        self,
-        model: str | None = None,
-        # = storyrl.models.coherence.DEFAULT_BASE, not imported: that module loads torch
-        base_model: str = "albert-large-v1",
-        trust_checkpoint: bool = False,
-        mode: str = "prefix",
-        device: str | None = None,
-        precision: str = "auto",
-        batch_size: int = 64,
-        max_length: int = 512,
-        max_batch_tokens: int | None = None,
-    ) -> None:
-        super().__init__()
-        from storyrl.models.runtime import check_run_options
-
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        check_run_options(precision, batch_size)
-        if max_length < 8:
-            raise ValueError(f"max_length must be at least 8, got {max_length}")
-        self.model, self.base_model, self.trust_checkpoint = model, base_model, trust_checkpoint
-        self.mode, self.device, self.precision = mode, device, precision
-        self.batch_size, self.max_length, self.max_batch_tokens = batch_size, max_length, max_batch_tokens
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "base_model": self.base_model,
-            "trust_checkpoint": self.trust_checkpoint,
-            "mode": self.mode,
-            "device": self.device,
-            "precision": self.precision,
-            "batch_size": self.batch_size,
-            "max_length": self.max_length,
-            "max_batch_tokens": self.max_batch_tokens,
-        }
+    config_class = CoherenceConfig
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""

@@ -33,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from storyrl.rewards.clip_base import ClipReward
+from storyrl.config import option
+from storyrl.rewards.clip_base import ClipConfig, ClipReward
+from storyrl.rewards.region_base import RegionConfig
 
 #: θ per dataset: the mean NP score (2.5 · best cosine) over the dataset's
 #: stories with CLIP ViT-B/32 and detector regions (authors' thresholds.ini).
@@ -107,95 +109,54 @@ class StoryAnalysis:
         return {"score": self.score, "reason": self.reason, "phrases": [asdict(p) for p in self.phrases]}
 
 
+@dataclass
+class GROOViSTConfig(ClipConfig, RegionConfig):
+    """GROOViST's options (besides the CLIP and region options)."""
+
+    theta: float | str = option("vist", "θ: a number or a preset (vist, aesop, vwp, custom).")
+    bounded: bool = option(False, "Return tanh(score) in [-1, 1] instead of the raw score.")
+    spacy_pipeline: str = option("en_core_web_trf", "spaCy pipeline for noun chunks (the authors': en_core_web_trf; "
+                                 "en_core_web_sm is faster).")
+    units: str = option("noun_phrases", "Scored units: noun_phrases or nouns (the -NPs +Ns ablation).", choices=UNITS)
+    weighting: str = option("concreteness", "Word weights: concreteness, idf (needs idf_corpus) or none.",
+                            choices=WEIGHTINGS)
+    penalty: bool = option(True, "Apply the θ penalty (false: the -P ablation).")
+    concreteness: str | None = option(None, "Concreteness ratings file (default: storyrl asset cache).", path="file")
+    pronouns: str | None = option(None, "Pronoun list file (default: storyrl asset cache).", path="file")
+    idf_corpus: str | None = option(None, "Story set (JSON/JSONL) whose word document frequencies give idf weights.",
+                                    path="file")
+    on_failure: str = option("nan", "Score of a story without NPs or usable regions: nan, or zero (the authors' 0.0).",
+                             choices=("nan", "zero"))
+
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
+        try:
+            resolve_theta(self.theta)
+        except ValueError as exc:
+            problems.append(f"theta: {exc}")
+        if self.weighting == "idf" and not self.idf_corpus:
+            problems.append("weighting='idf' needs idf_corpus (a story set to count word document frequencies in)")
+        return problems
+
+
 class GROOViST(ClipReward):
     """GROOViST as a reward (higher = better grounded).
 
     Story context: ``images`` (paths or PIL images, one per position) or
     ``image_ids`` (resolved against ``image_root``); optionally
     ``noun_phrases`` (per story, the authors' NP file format) to skip spaCy.
-
-    Args (besides :class:`ClipReward`'s):
-        theta: θ as a number or preset name (vist, aesop, vwp, custom).
-        bounded: return tanh(score) in [-1, 1] instead of the raw score.
-        regions: "table" (detector region table cropped on the fly),
-            "crops" (the authors' crop files), "grid" (3×3 crops + whole
-            image), "whole"; default: table/crops when given, else grid.
-        region_table, crops_dir, top_b, grid: region source options.
-        spacy_pipeline: spaCy pipeline for noun chunks (authors:
-            en_core_web_trf; en_core_web_sm is faster).
-        units: "noun_phrases" or "nouns" (ablation).
-        weighting: "concreteness", "idf" (needs idf_corpus) or "none".
-        penalty: apply the θ penalty (False = −P ablation).
-        concreteness, pronouns: paths of the ratings / pronoun list (default:
-            storyrl's asset cache, see ``storyrl assets``).
-        idf_corpus: story set (JSON/JSONL) whose word document frequencies
-            give the idf weights.
-        on_failure: "nan" (default) or "zero" (the authors' 0.0) for a story
-            without NPs or usable regions.
+    Options: :class:`GROOViSTConfig`.
     """
 
     name = "groovist"
     higher_is_better = True
+    config_class = GROOViSTConfig
 
-    def __init__(
-        self,
-        theta: float | str = "vist",
-        bounded: bool = False,
-        regions: str | None = None,
-        region_table: str | None = None,
-        crops_dir: str | None = None,
-        top_b: int = 10,
-        grid: int = 3,
-        spacy_pipeline: str = "en_core_web_trf",
-        units: str = "noun_phrases",
-        weighting: str = "concreteness",
-        penalty: bool = True,
-        concreteness: str | None = None,
-        pronouns: str | None = None,
-        idf_corpus: str | None = None,
-        on_failure: str = "nan",
-        **clip_options: Any,
-    ) -> None:
-        super().__init__(**clip_options)
-        self.theta_setting = theta
-        self.theta = resolve_theta(theta)
-        self.bounded = bounded
+    def __init__(self, config: GROOViSTConfig | None = None, /, **options: Any) -> None:
+        super().__init__(config, **options)
+        self.theta = resolve_theta(self.args.theta)  # the number; args.theta keeps the setting (a preset name)
         self.value_range = (-1.0, 1.0) if self.bounded else (-math.inf, math.inf)
-        if units not in UNITS:
-            raise ValueError(f"units must be one of {UNITS}, got {units!r}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-        if weighting == "idf" and not idf_corpus:
-            raise ValueError("weighting='idf' needs idf_corpus (a story set to count word document frequencies in)")
-        if on_failure not in ("nan", "zero"):
-            raise ValueError(f"on_failure must be 'nan' or 'zero', got {on_failure!r}")
-        self._set_region_source(regions, region_table, crops_dir, top_b, grid)
-        self.spacy_pipeline = spacy_pipeline
-        self.units = units
-        self.weighting = weighting
-        self.penalty = penalty
-        self.concreteness = concreteness
-        self.pronouns = pronouns
-        self.idf_corpus = idf_corpus
-        self.on_failure = on_failure
         self._extractor = self._weights = self._pronoun_set = None
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "theta": self.theta_setting,
-            "bounded": self.bounded,
-            "regions": self.regions,
-            **self.region_options,
-            "spacy_pipeline": self.spacy_pipeline,
-            "units": self.units,
-            "weighting": self.weighting,
-            "penalty": self.penalty,
-            "concreteness": self.concreteness,
-            "pronouns": self.pronouns,
-            "idf_corpus": self.idf_corpus,
-            "on_failure": self.on_failure,
-            **super().config(),
-        }
 
     def __getstate__(self) -> dict[str, Any]:
         # spaCy pipelines and word tables are rebuilt on demand after unpickling.

@@ -3,34 +3,62 @@
 regions, embedding every region of a batch in one pass, and turning image
 problems into per-story reasons instead of errors.
 
-Subclasses set ``image_root`` and implement :meth:`_embed_region_list`
-(their model's cached, batched region embedding).
+Subclasses implement :meth:`_embed_region_list` (their model's cached,
+batched region embedding). Their configs build on :class:`ImageConfig`
+(where images come from) and :class:`RegionConfig` (how they are cut).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from storyrl.rewards.base import Reward
+from storyrl.config import option
+from storyrl.rewards.base import ModelConfig, Reward
+
+REGION_KINDS = ("table", "crops", "grid", "whole")
+
+
+@dataclass
+class ImageConfig(ModelConfig):
+    """Options of the rewards that read a story's images."""
+
+    image_root: str | None = option(None, "Directory that image paths and image ids are resolved against.",
+                                    path="dir")
+
+
+@dataclass
+class RegionConfig(ImageConfig):
+    """Options of the rewards that cut images into regions."""
+
+    regions: str | None = option(
+        None, "Region source: table (detector boxes), crops (crop files), grid (3x3 + whole image), whole; "
+        "default: table/crops when given, else grid.", choices=REGION_KINDS)
+    region_table: str | None = option(None, "Region table CSV (image_id,bbox rows; top-B per image in file order).",
+                                      path="file")
+    crops_dir: str | None = option(None, "Directory of precomputed crops named <image_id>_<bbox>.jpg.", path="dir")
+    top_b: int = option(10, "Regions per image.", min=1)
+    grid: int = option(3, "Grid regions: a grid x grid split plus the whole image.", min=1)
 
 
 class RegionReward(Reward):
-    image_root: str | None = None
+    def __init__(self, config: RegionConfig | None = None, /, **options: Any) -> None:
+        super().__init__(config, **options)
+        if isinstance(self.args, RegionConfig):
+            from storyrl.images import region_source_from_options
+
+            a = self.args
+            # The kind in use (a default resolved) and the source that cuts the regions.
+            self.regions, self.region_source = region_source_from_options(
+                a.regions, a.region_table, a.crops_dir, a.top_b, a.grid
+            )
 
     def _embed_region_list(self, regions: list) -> np.ndarray:
         """``[len(regions), dim]`` embeddings (raises ImageError for an
         unreadable image)."""
         raise NotImplementedError
-
-    def _set_region_source(self, regions, region_table, crops_dir, top_b, grid) -> None:
-        """``regions`` (kind), ``region_source`` and ``region_options`` from
-        the reward's region options."""
-        from storyrl.images import region_source_from_options
-
-        self.regions, self.region_source = region_source_from_options(regions, region_table, crops_dir, top_b, grid)
-        self.region_options = {"region_table": region_table, "crops_dir": crops_dir, "top_b": top_b, "grid": grid}
 
     def _story_images(self, i: int, images, image_ids, need_files: bool = True) -> tuple[list, list[str] | None]:
         """Story ``i``'s image sequence and its ids (raises ImageError).

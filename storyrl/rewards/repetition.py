@@ -23,11 +23,13 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from operator import mul
 
 import numpy as np
 
-from storyrl.rewards.base import Reward
+from storyrl.config import option
+from storyrl.rewards.base import Reward, RewardConfig
 from storyrl.text import tokenize_story
 
 __all__ = ["Repetition", "repetition_from_tokens", "repetition_score"]
@@ -92,6 +94,11 @@ def repetition_score(story: str, chunk_size: int = 4) -> float:
     return repetition_from_tokens(tokenize_story(story), chunk_size)
 
 
+@dataclass
+class RepetitionConfig(RewardConfig):
+    chunk_size: int = option(4, "Intra-sentence n-gram length (4 in the paper and the authors' tool).", min=1)
+
+
 class Repetition(Reward):
     """RoViST-NR non-redundancy as a reward (higher = less repetitive).
 
@@ -103,15 +110,7 @@ class Repetition(Reward):
     name = "repetition"
     higher_is_better = True
     value_range = (-math.inf, 1.0)
-
-    def __init__(self, chunk_size: int = 4) -> None:
-        super().__init__()
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        self.chunk_size = chunk_size
-
-    def config(self) -> dict:
-        return {"chunk_size": self.chunk_size}
+    config_class = RepetitionConfig
 
     def _score_batch(self, stories: list[str], **context) -> np.ndarray:
         out = np.empty(len(stories))

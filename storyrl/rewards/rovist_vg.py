@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from storyrl.rewards.region_base import RegionReward
+from storyrl.config import option
+from storyrl.rewards.region_base import RegionConfig, RegionReward
 
 if TYPE_CHECKING:
     from storyrl.models.glove import GloVe
@@ -116,6 +117,17 @@ def story_nouns(raw: Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(s for s in (str(p).strip().lower() for p in raw or ()) if s))
 
 
+@dataclass
+class RovistVGConfig(RegionConfig):
+    model: str | None = option(None, "RoViST-VG model directory (storyrl train rovist_vg).", path="dir")
+    glove: str | None = option(None, "The GloVe text file the model was trained with (300-d).", path="file")
+    idf_corpus: str | None = option(None, "Story set (JSON/JSONL) or Idf.to_json table giving the nouns' idf weights; "
+                                    "null = weights 1.0 (not the paper's metric).", path="file")
+    scaled: bool = option(False, "Return Eq. 3's scaled score in (-1, 1) instead of S_VG.")
+    spacy_pipeline: str = option("en_core_web_trf", "spaCy pipeline for POS tags (nouns = NOUN/PROPN).")
+    batch_size: int = option(64, "Regions or nouns per forward pass.", min=1)
+
+
 class RovistVG(RegionReward):
     """RoViST-VG as a reward (higher = better grounded).
 
@@ -126,75 +138,19 @@ class RovistVG(RegionReward):
     mean vector of its words) -- note that GROOViST's noun chunks are not
     RoViST's nouns, so give ``nouns`` when a dataset serves both rewards.
 
-    Args:
-        model: a RoViST-VG model directory (:meth:`RovistVGModel.save_pretrained`).
-        glove: the GloVe text file the model was trained with (300-d).
-        idf_corpus: story set (JSON/JSONL) or an ``Idf.to_json`` table giving
-            the nouns' idf weights; None = weights 1.0 (not the paper's metric).
-        scaled: return Eq. 3's scaled score in (−1, 1) instead of S_VG.
-        regions: "table" (detector boxes cut from the images; the authors'
-            setup with top_b=10), "crops" (pre-cut crop files), "grid" (3×3
-            crops + whole image), "whole"; default: table/crops when given,
-            else grid.
-        region_table, crops_dir, top_b, grid: region source options.
-        spacy_pipeline: spaCy pipeline for POS tags (nouns = NOUN/PROPN).
-        device, precision ("auto": fp16 on CUDA, fp32 on CPU), batch_size
-            (regions/nouns per forward pass), image_root.
+    Options: :class:`RovistVGConfig`.
     """
 
     name = "rovist_vg"
     higher_is_better = True
+    config_class = RovistVGConfig
 
-    def __init__(
-        self,
-        model: str | None = None,
-        glove: str | None = None,
-        idf_corpus: str | None = None,
-        scaled: bool = False,
-        regions: str | None = None,
-        region_table: str | None = None,
-        crops_dir: str | None = None,
-        top_b: int = 10,
-        grid: int = 3,
-        spacy_pipeline: str = "en_core_web_trf",
-        device: str | None = None,
-        precision: str = "auto",
-        batch_size: int = 64,
-        image_root: str | None = None,
-    ) -> None:
-        super().__init__()
-        from storyrl.models.runtime import check_run_options
-
-        check_run_options(precision, batch_size)
-        if idf_corpus is None:
+    def __init__(self, config: RovistVGConfig | None = None, /, **options: Any) -> None:
+        super().__init__(config, **options)
+        if self.idf_corpus is None:
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
-        self.model = str(model) if model else None
-        self.glove = str(glove) if glove else None
-        self.idf_corpus = idf_corpus
-        self.scaled = scaled
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
-        self._set_region_source(regions, region_table, crops_dir, top_b, grid)
-        self.spacy_pipeline = spacy_pipeline
-        self.device = device
-        self.precision = precision
-        self.batch_size = batch_size
-        self.image_root = image_root
         self._extractor = self._glove = self._idf = None
-
-    def config(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "glove": self.glove,
-            "idf_corpus": self.idf_corpus,
-            "scaled": self.scaled,
-            "regions": self.regions,
-            **self.region_options,
-            "spacy_pipeline": self.spacy_pipeline,
-            "device": self.device,
-            "precision": self.precision,
-            "batch_size": self.batch_size,
-            "image_root": self.image_root,
-        }
 
     def __getstate__(self) -> dict[str, Any]:
         # Loaded things are rebuilt on demand after unpickling (the model is

@@ -1,1 +1,35 @@
-"""RL fine-tuning against storyrl rewards and training of learned metrics (to come)."""
+"""Training: the learned metrics' models today, RL fine-tuning of story
+generators next (:mod:`storyrl.training.rl`).
+
+Every trainer is a :class:`Trainer` -- a :class:`~storyrl.training.config.TrainConfig`
+subclass and a ``train(config, resume=False, progress=True)`` function --
+registered in :data:`TRAINERS`; ``storyrl train <name>`` is generated from
+it (its options are the config's fields).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from storyrl.registry import Registry
+
+__all__ = ["TRAINERS", "Trainer"]
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """A registered trainer: its config class and its train function, which
+    returns an object with ``best_epoch``, ``best_val_loss``, ``epochs_run``
+    and ``stopped_early`` (:class:`storyrl.training.loop.FitResult`)."""
+
+    config_class: type
+    train: Callable[..., Any]
+
+
+TRAINERS: Registry[Trainer] = Registry("trainer")
+TRAINERS.add("coherence", "storyrl.training.coherence:TRAINER",
+             "RoViST-C: the ALBERT sentence-order model of the coherence reward.")
+TRAINERS.add("rovist_vg", "storyrl.training.rovist_vg:TRAINER",
+             "RoViST-VG: the ViT/GloVe region-noun model of the rovist_vg reward.", aliases=("rovist-vg",))

@@ -25,6 +25,9 @@ import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers
 
 import torch
 
+from storyrl.config import option
+from storyrl.rewards.coherence import MODES
+from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
 
@@ -120,29 +123,21 @@ def split_examples(
 class CoherenceTrainConfig(TrainConfig):
     """:class:`TrainConfig` (paper defaults) plus the RoViST-C data and model."""
 
-    stories: list[str]  # story files: JSON {id: story} or JSONL records
-    base_model: str = "albert-large-v1"
-    tokenizer: str | None = None  # default: base_model
-    mode: str = "prefix"  # prefix (d_HM) | adjacent (original RoViST)
-    dropout: float = 0.4
-    max_length: int = 512
-    init_from: str | None = None  # a storyrl coherence directory to continue from
+    stories: list[str] = option(help="Story files: JSON {id: story} or JSONL records.", path="file")
+    base_model: str = option("albert-large-v1", "ALBERT to start from (hub name or local directory).")
+    tokenizer: str | None = option(None, "Tokenizer (default: base_model).")
+    mode: str = option("prefix", "Sentence pairs: prefix (d_HM) or adjacent (original RoViST).", choices=MODES)
+    dropout: float = option(0.4, "Dropout before the classifier, in [0, 1).")
+    max_length: int = option(512, "Token limit of a pair.", min=8)
+    init_from: str | None = option(None, "A storyrl coherence directory to continue from.", path="dir")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        from storyrl.rewards.coherence import MODES
-
-        problems = []
+    def _problems(self) -> list[str]:
+        problems = super()._problems()
         if not self.stories:
             problems.append("stories: give at least one story file")
-        if self.mode not in MODES:
-            problems.append(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.max_length < 8:
-            problems.append(f"max_length must be at least 8, got {self.max_length}")
-        if problems:
-            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        return problems
 
 
 class _SOPCollate:
@@ -260,3 +255,6 @@ def train_coherence(
         resume=resume,
         progress=progress,
     )
+
+
+TRAINER = Trainer(CoherenceTrainConfig, train_coherence)

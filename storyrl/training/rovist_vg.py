@@ -35,7 +35,7 @@ import csv
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,8 @@ from torch.utils.data import Dataset, Subset
 import storyrl  # noqa: F401  (CPU-only torchvision fallback before timm)
 from storyrl.models.glove import GloVe, load_glove
 from storyrl.models.rovist_vg import DEFAULT_VIT, RovistVGModel
+from storyrl.config import option
+from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 
 __all__ = [
@@ -231,30 +233,21 @@ class RovistVGTrainConfig(TrainConfig):
     """:class:`TrainConfig` plus the data and model; optimiser defaults are
     the paper's (RoViST App. B)."""
 
-    pairs: str
-    glove: str
-    image_root: str | None = None
-    vit: str = DEFAULT_VIT
-    pretrained_vit: bool = True
-    embed_dim: int = 1024
-    timm_kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm.create_model options
-    check_images: bool = True  # check every image file exists before training
+    pairs: str = option(help="CSV of image,bbox,phrase training pairs.", path="file")
+    glove: str = option(help="GloVe word vectors, text format (300-d for the paper's model).", path="file")
+    image_root: str | None = option(None, "Directory that the pairs' image paths are resolved against.", path="dir")
+    vit: str = option(DEFAULT_VIT, "timm image backbone.")
+    pretrained_vit: bool = option(True, "Start from the backbone's pretrained weights.")
+    embed_dim: int = option(1024, "Joint embedding width.", min=1)
+    timm_kwargs: dict[str, Any] = option(factory=dict, help="Extra timm.create_model options.", cli=False)
+    check_images: bool = option(True, "Check that every image file exists before training.")
     # The paper's settings.
-    batch_size: int = 64
-    lr: float = 5e-5
-    weight_decay: float = 1e-5
-    lr_decay: float = 0.95
-    patience: int = 3
-    val_fraction: float = 0.15
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.embed_dim < 1:
-            raise ValueError(f"{type(self).__name__}: embed_dim must be >= 1, got {self.embed_dim}")
-        if not isinstance(self.timm_kwargs, dict):
-            raise ValueError(  # noqa: TRY004  (configuration errors are ValueErrors, as in TrainConfig)
-                f"{type(self).__name__}: timm_kwargs must be a mapping, got {self.timm_kwargs!r}"
-            )
+    batch_size: int = option(64, "Examples per optimizer step.", min=1)
+    lr: float = option(5e-5, "AdamW learning rate.")
+    weight_decay: float = option(1e-5, "AdamW weight decay.")
+    lr_decay: float = option(0.95, "ExponentialLR gamma, stepped once per epoch.")
+    patience: int = option(3, "Early stopping: epochs without validation-loss improvement.", min=1)
+    val_fraction: float = option(0.15, "Fraction of the data held out for validation, in (0, 1).")
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -300,3 +293,6 @@ def train_rovist_vg(
         resume=resume,
         progress=progress,
     )
+
+
+TRAINER = Trainer(RovistVGTrainConfig, train_rovist_vg)

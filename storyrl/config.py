@@ -1,0 +1,393 @@
+"""storyrl's one config mechanism: typed dataclasses for rewards, trainers and
+generators.
+
+A component declares its options once, as the fields of a :class:`Config`
+dataclass made with :func:`option` (type, default, help, allowed values). The
+same declaration gives validation in Python, YAML files and on the command
+line (the ``storyrl`` options are generated from it), the component's
+``config()`` and its repr. Fields may themselves be dataclasses -- storyrl
+configs or foreign ones such as TRL's ``GRPOConfig`` -- and are built from
+YAML mappings.
+
+Every option is checked against its declared annotation and never converted
+from another type: ``"false"`` is not a boolean (``bool("false")`` is True, so
+conversion would turn ``trust_checkpoint: "false"`` into unpickling), ``true``
+is not an integer, ``"3"`` is not a number. The only changes made to a value
+are lossless ones: an integer given for a float becomes that float, and a
+``pathlib.Path`` given for a string becomes its string.
+
+YAML files are read with :func:`load_yaml`, which resolves ``1e-5`` as the
+float YAML 1.2 says it is (PyYAML's YAML 1.1 rules read it as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import re
+import types
+import typing
+import collections.abc as cabc
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Union
+
+__all__ = ["Config", "ConfigFileError", "Configurable", "check_type", "load_yaml", "option", "option_info"]
+
+
+class ConfigFileError(ValueError):
+    """A config file that cannot be read or parsed; the message names the file."""
+
+
+_SEQUENCES = {list, tuple, cabc.Sequence, cabc.MutableSequence}
+_MAPPINGS = {dict, cabc.Mapping, cabc.MutableMapping}
+
+
+def _type_name(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type):
+        return {"bool": "true/false", "int": "an integer", "float": "a number", "str": "a string"}.get(
+            tp.__name__, tp.__name__
+        )
+    return str(tp).replace("typing.", "")
+
+
+def _got(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_type(value: Any, tp: Any) -> Any:
+    """``value`` if it has the annotated type ``tp`` (after the lossless
+    changes above); TypeError with a short reason otherwise. Annotations this
+    function does not understand (callables, type variables) are not checked."""
+    if tp is Any or tp is inspect.Parameter.empty:
+        return value
+    origin = typing.get_origin(tp)
+    if origin is Union or origin is types.UnionType:
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise TypeError(f"expected {_type_name(tp)}, got null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return check_type(value, arg)
+            except TypeError as exc:
+                errors.append(str(exc))
+        raise TypeError(errors[0] if len(errors) == 1 else f"expected {_type_name(tp)}, got {_got(value)}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if any(value == c and type(value) is type(c) for c in choices):
+            return value
+        raise TypeError(f"expected one of {list(choices)}, got {_got(value)}")
+    if origin in _SEQUENCES:
+        args = typing.get_args(tp)
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+            raise TypeError(f"expected a list, got {_got(value)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(value) != len(args):
+                raise TypeError(f"expected {len(args)} items, got {len(value)}")
+            return tuple(check_type(v, a) for v, a in zip(value, args))
+        items = [check_type(v, args[0] if args else Any) for v in value]
+        return tuple(items) if origin is tuple else items
+    if origin in _MAPPINGS:
+        key_tp, value_tp = typing.get_args(tp) or (Any, Any)
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a mapping, got {_got(value)}")
+        return {check_type(k, key_tp): check_type(v, value_tp) for k, v in value.items()}
+    if origin is not None or not isinstance(tp, type):
+        return value  # e.g. Callable[...]: not checked here
+    if dataclasses.is_dataclass(tp) and isinstance(value, Mapping):
+        return _dataclass_from_mapping(tp, value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, os.PathLike):
+            return os.fspath(value)
+    elif isinstance(value, tp):
+        return value
+    raise TypeError(f"expected {_type_name(tp)}, got {_got(value)}")
+
+
+# -- YAML ---------------------------------------------------------------------
+
+_YAML12_FLOAT = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+def _loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """SafeLoader that also reads ``1e-5`` (no dot) as a float, as YAML 1.2 does."""
+
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+    return Loader
+
+
+def load_yaml(path: str | os.PathLike) -> Any:
+    """Parse a YAML file; ConfigFileError naming the file (and line) when it
+    cannot be read or parsed."""
+    import yaml
+
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigFileError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        return yaml.load(text, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigFileError(f"{path}: invalid YAML{where}: {' '.join(str(problem).split())}") from None
+
+
+# -- config dataclasses -----------------------------------------------------------
+
+REQUIRED = dataclasses.MISSING
+PATH_KINDS = ("file", "dir", "any", "new-dir")
+
+
+def option(
+    default: Any = REQUIRED,
+    help: str = "",  # noqa: A002  (the word every CLI library uses)
+    *,
+    factory: Callable[[], Any] | None = None,
+    choices: tuple | list | None = None,
+    min: float | None = None,  # noqa: A002
+    max: float | None = None,  # noqa: A002
+    path: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """A :class:`Config` field: its ``default`` (``factory`` for a mutable
+    one; neither = required), a one-line ``help``, the allowed ``choices``,
+    numeric bounds ``min``/``max`` (inclusive), and for the command line
+    ``path`` ("file", "dir", "any": must exist; "new-dir": may not) and
+    ``cli=False`` for fields set only in YAML or Python (mappings)."""
+    if path is not None and path not in PATH_KINDS:
+        raise ValueError(f"path must be one of {PATH_KINDS}, got {path!r}")
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "min": min, "max": max,
+                "path": path, "cli": cli}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionInfo:
+    """One declared option of a config class, its type resolved."""
+
+    name: str
+    type: Any
+    default: Any  # REQUIRED when the option must be given
+    help: str = ""
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    path: str | None = None
+    cli: bool = True
+
+    @property
+    def required(self) -> bool:
+        return self.default is REQUIRED
+
+
+@functools.lru_cache(maxsize=None)
+def option_info(cls: type) -> tuple[OptionInfo, ...]:
+    """The options (init fields) a config dataclass declares, in order."""
+    hints = typing.get_type_hints(cls)
+    infos = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        default = f.default if f.default is not REQUIRED else (
+            f.default_factory() if f.default_factory is not REQUIRED else REQUIRED
+        )
+        meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "min", "max", "path", "cli")}
+        infos.append(OptionInfo(f.name, hints[f.name], default, **meta))
+    return tuple(infos)
+
+
+@dataclasses.dataclass
+class Config:
+    """Base of storyrl's config dataclasses (rewards, trainers, generators).
+
+    Subclasses declare fields with :func:`option`. Creating an instance
+    checks every field's type strictly (:func:`check_type`; TypeError naming
+    the option) and then its ``choices``/``min``/``max`` and the subclass's
+    :meth:`_problems` (ValueError listing every problem)."""
+
+    #: How errors name the fields.
+    _field_word: ClassVar[str] = "option"
+
+    def __post_init__(self) -> None:
+        label, word = self._label(), self._field_word
+        for info in option_info(type(self)):
+            try:
+                value = check_type(getattr(self, info.name), info.type)
+            except TypeError as exc:
+                raise TypeError(f"{label}: {word} {info.name!r}: {exc}") from None
+            object.__setattr__(self, info.name, value)
+        problems = [p for info in option_info(type(self)) if (p := _bound_problem(info, getattr(self, info.name)))]
+        problems += self._problems()
+        if problems:
+            raise ValueError(f"{label}: " + "; ".join(problems))
+
+    def _problems(self) -> list[str]:
+        """Checks across options, for subclasses: one message per problem."""
+        return []
+
+    @classmethod
+    def _label(cls) -> str:
+        return cls.__name__
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str | None = None, **overrides: Any):
+        """Build from a mapping (e.g. parsed YAML) plus keyword ``overrides``
+        (``None`` = not given, e.g. an unset command-line option). Unknown,
+        missing or ill-typed options raise TypeError, bad values ValueError;
+        with ``source`` (a file name) every error is a ValueError naming it."""
+        try:
+            return cls(**_known_options(cls, data, overrides))
+        except (TypeError, ValueError) as exc:
+            if source is None:
+                raise
+            raise ValueError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, **overrides: Any):
+        """Read a YAML mapping of options; ``overrides`` (``None`` = not
+        given) take precedence. Errors are ValueErrors naming the file."""
+        path = Path(path)
+        data = load_yaml(path)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a YAML mapping of settings, got {type(data).__name__}")
+        return cls.from_mapping(data, source=str(path), **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | os.PathLike) -> None:
+        """Write the options so that :meth:`from_yaml` reads them back."""
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
+
+def _known_options(cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    infos = option_info(cls)
+    valid = [i.name for i in infos]
+    word = getattr(cls, "_field_word", "option")
+    label = cls._label()
+    values: dict[str, Any] = {}
+    for mapping in (data, overrides):
+        for key, value in mapping.items():
+            if mapping is overrides and value is None:
+                continue
+            if key not in valid:
+                raise TypeError(
+                    f"{label}: bad configuration: unknown {word} {key!r}; valid {word}s: {', '.join(valid)}"
+                )
+            values[key] = value
+    missing = [i.name for i in infos if i.required and i.name not in values]
+    if missing:
+        raise TypeError(f"{label}: missing required {word}(s) {', '.join(map(repr, missing))}")
+    return values
+
+
+def _dataclass_from_mapping(tp: type, value: Mapping[str, Any]) -> Any:
+    """A nested dataclass option given as a mapping (YAML): storyrl configs
+    are validated as usual; foreign dataclasses (TRL's ``GRPOConfig``...) get
+    the mapping as keyword arguments and do their own checks."""
+    if isinstance(tp, type) and issubclass(tp, Config):
+        return tp(**_known_options(tp, value, {}))
+    try:
+        return tp(**value)
+    except TypeError as exc:
+        raise TypeError(f"{tp.__name__}: {exc}") from None
+
+
+def _bound_problem(info: OptionInfo, value: Any) -> str | None:
+    if value is None:
+        return None
+    if info.choices is not None and value not in info.choices:
+        return f"{info.name} must be one of {', '.join(map(str, info.choices))}, got {value!r}"
+    if info.min is not None and value < info.min:
+        return f"{info.name} must be >= {info.min}, got {value!r}"
+    if info.max is not None and value > info.max:
+        return f"{info.name} must be <= {info.max}, got {value!r}"
+    return None
+
+
+class Configurable:
+    """A component built from a :class:`Config` dataclass (rewards,
+    generators): ``Cls(**options)`` or ``Cls(config)``, both validated.
+    ``self.args`` holds the config (as ``trainer.args`` does in TRL), options
+    read as attributes, and ``config()`` and the repr come from it.
+
+    Subclasses set ``config_class``, ``kind`` ("reward", ...) and ``name``."""
+
+    kind: ClassVar[str] = "component"
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[Config]] = Config
+
+    def __init__(self, config: Config | None = None, /, **options: Any) -> None:
+        cls = type(self)
+        if config is None:
+            try:
+                config = cls.config_class.from_mapping(options)
+            except (TypeError, ValueError) as exc:
+                # Name the component, not its config class, as users call it.
+                prefix = f"{cls.config_class._label()}: "
+                message = str(exc)
+                message = message[len(prefix):] if message.startswith(prefix) else message
+                raise type(exc)(f"{self.kind} {self.name or cls.__name__!r}: {message}") from None
+        elif options or not isinstance(config, cls.config_class):
+            raise TypeError(
+                f"{self.kind} {self.name!r}: give a {cls.config_class.__name__} or keyword options, "
+                f"got {type(config).__name__}{' and options' if options else ''}"
+            )
+        self.args = config
+
+    def __getattr__(self, name: str) -> Any:
+        # Options read as attributes (reward.chunk_size); only called when
+        # normal lookup fails, so derived attributes (GROOViST's resolved
+        # theta) take precedence.
+        args = self.__dict__.get("args")
+        if args is None or name.startswith("_") or not hasattr(args, name):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(args, name)
+
+    def config(self) -> dict[str, Any]:
+        """The options that recreate this object (for configs and logs)."""
+        return self.args.to_dict()
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+        return f"{type(self).__name__}({params})"
