@@ -291,7 +291,9 @@ class Config:
         return cls.from_mapping(data, source=str(path), **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain values (nested configs as mappings) that ``from_mapping``
+        reads back."""
+        return {info.name: _plain(getattr(self, info.name)) for info in option_info(type(self))}
 
     def to_yaml(self, path: str | os.PathLike) -> None:
         """Write the options so that :meth:`from_yaml` reads them back."""
@@ -331,6 +333,19 @@ def _dataclass_from_mapping(tp: type, value: Mapping[str, Any]) -> Any:
         return tp(**value)
     except TypeError as exc:
         raise TypeError(f"{tp.__name__}: {exc}") from None
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Config):
+        return value.to_dict()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Foreign configs know best how to serialise themselves (TrainingArguments.to_dict).
+        return value.to_dict() if callable(getattr(value, "to_dict", None)) else dataclasses.asdict(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def _bound_problem(info: OptionInfo, value: Any) -> str | None:

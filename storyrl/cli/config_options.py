@@ -38,18 +38,17 @@ _SEP = "__"  # in the parameter name of --<reward>-<option>: "<reward>__<option>
 
 
 class GeneratedOptionsCommand(click.Command):
-    """A click command whose options come from ``generate(own_names)`` the
-    first time they are needed (help, parsing)."""
+    """A click command whose options come from ``generate(own_names)`` when
+    they are needed (help, parsing) -- each time, so that a reward registered
+    after import has its options too."""
 
     def __init__(self, *args: Any, generate: Callable[[set[str]], list[click.Parameter]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._generate: Callable[[set[str]], list[click.Parameter]] | None = generate
+        self._generate = generate
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        if self._generate is not None:
-            generate, self._generate = self._generate, None
-            self.params.extend(generate({p.name for p in self.params}))
-        return super().get_params(ctx)
+        own = super().get_params(ctx)
+        return [*own[:-1], *self._generate({p.name for p in own}), own[-1]]  # --help stays last
 
 
 def _scalar(tp: Any) -> tuple[Any, bool]:

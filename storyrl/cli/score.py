@@ -64,7 +64,8 @@ def _ready(rewards) -> None:
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Score CSV to write (*.csv).")
 @click.option("--resume", is_flag=True, help="Keep the rows already in OUT and score only the missing stories.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUT (and --explain file).")
-@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1))
+@click.option("--batch-size", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Stories per scoring batch (and per row write).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
 @context_file_options
