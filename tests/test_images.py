@@ -69,7 +69,7 @@ def test_region_key_for_pil_images_is_by_content():
     import gc
     import weakref
 
-    from storyrl import images as mod
+    from storyrl.images import loading as mod
 
     assert id(one) in mod._pil_digests
     ref, ident = weakref.ref(other), id(other)
