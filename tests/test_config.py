@@ -73,7 +73,7 @@ def test_nested_configs_come_from_mappings_and_round_trip(tmp_path):
 
 def test_a_trl_config_embeds_and_is_built_from_yaml(tmp_path):
     # The seam for the RL configs: TRL's GRPOConfig as a field, set from YAML.
-    import storyrl  # noqa: F401  (torchvision fallback before trl)
+    import storyrl  # noqa: F401  # torchvision fallback before trl
     from trl import GRPOConfig
 
     # make_dataclass: real (not string) annotations for a class local to a test.

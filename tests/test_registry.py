@@ -60,6 +60,21 @@ def test_listing_rewards_and_trainers_imports_no_component():
     assert out.strip() == "['storyrl.rewards.base']"
 
 
+def test_generated_help_imports_no_model_library():
+    # score's options come from every reward's config; train's list from the
+    # registry: neither may load torch and friends.
+    code = textwrap.dedent("""
+        import sys
+        from click.testing import CliRunner
+        from storyrl.cli import main
+        for args in (["score", "--help"], ["train", "--help"], ["rewards"], ["rewards", "rovist_vg"]):
+            assert CliRunner().invoke(main, args).exit_code == 0, args
+        print([m for m in ("torch", "transformers", "open_clip", "spacy", "timm") if m in sys.modules])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_storyrl_rewards_lists_descriptions_and_a_rewards_options():
     from storyrl.cli import main
     from storyrl.config import option_info
