@@ -9,7 +9,8 @@ Formats
   ``noun_phrases`` (precomputed, for GROOViST).
 * Score table, CSV: ``story_id`` plus one column per metric; an empty cell (or
   ``nan``) means unscorable.
-* VIST story-in-sequence annotations and the VWP test split (loaders below).
+* VIST story-in-sequence annotations and the VWP test split: loaded by
+  :mod:`storyrl.datasets` (``load_vist_sis``, ``load_vwp``, re-exported here).
 
 Every malformed input raises :class:`StoryDataError` naming the file, the
 record and the problem; nothing is dropped silently.
@@ -22,11 +23,15 @@ import io
 import json
 import math
 import os
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import Any
+
+# The dataset loaders live in storyrl.datasets (which imports this module):
+# re-exported here on first access.
+_DATASET_LOADERS = ("load_vist_sis", "load_vwp")
 
 __all__ = [
     "StoryDataError",
@@ -40,10 +45,21 @@ __all__ = [
     "write_scores",
     "parse_score_csv",
     "check_story_ids",
-    "load_vist_sis",
-    "load_vwp",
     "METRIC_ALIASES",
+    *_DATASET_LOADERS,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _DATASET_LOADERS:
+        value = getattr(import_module("storyrl.datasets"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_DATASET_LOADERS))
 
 
 class StoryDataError(ValueError):
@@ -417,92 +433,3 @@ def write_scores(
     metrics = list(columns)
     text = _csv_text([["story_id", *metrics], *_score_rows(ids, columns, metrics)])
     replace_file(path, text, overwrite=overwrite)
-
-
-# ---------------------------------------------------------------------------
-# Dataset layouts
-# ---------------------------------------------------------------------------
-
-
-def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:
-    """VIST story-in-sequence annotations (``test.story-in-sequence.json``):
-    one record per story id with its 5 image ids in story order and the human
-    story (the storylets' ``text`` joined by spaces, as in the d_HM files)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise StoryDataError(path, f"cannot read: {exc}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
-        raise StoryDataError(path, "not a VIST SIS file: no 'annotations' list")
-    storylets: dict[str, list[dict]] = defaultdict(list)
-    for k, ann in enumerate(data["annotations"]):
-        items = ann if isinstance(ann, list) else [ann]
-        for item in items:
-            if not isinstance(item, dict):
-                raise StoryDataError(path, "annotation is not an object", f"annotations[{k}]")
-            for key in ("story_id", "photo_flickr_id", "worker_arranged_photo_order", "text"):
-                if key not in item:
-                    raise StoryDataError(path, f"missing field '{key}'", f"annotations[{k}]")
-            storylets[str(item["story_id"])].append(item)
-    records = []
-    for story_id, items in storylets.items():
-        items.sort(key=lambda it: int(it["worker_arranged_photo_order"]))
-        orders = [int(it["worker_arranged_photo_order"]) for it in items]
-        if orders != list(range(len(items))):
-            raise StoryDataError(path, f"photo orders {orders} are not 0..{len(items) - 1}", repr(story_id))
-        records.append(
-            StoryRecord(
-                story_id,
-                " ".join(str(it["text"]).strip() for it in items),
-                image_ids=[str(it["photo_flickr_id"]) for it in items],
-            )
-        )
-    return records
-
-
-def load_vwp(path: str | os.PathLike, text_column: str = "story") -> list[StoryRecord]:
-    """The VWP test split CSV (``vwp_v2.1_test.csv`` layout: ``scene_full_id``,
-    ``story``, ``link0``..``link9`` image URLs, ``select_imgs_list``).
-
-    Story ids are ``<scene_full_id>;<k>`` with ``k`` the story's position among
-    the rows of its scene (the id scheme of the d_HM VWP files); images are the
-    non-empty ``linkN`` cells in order; ``image_ids`` come from
-    ``select_imgs_list`` when present.
-    """
-    path = Path(path)
-    try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            rows = list(csv.DictReader(fh))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        raise StoryDataError(path, f"cannot read: {exc}") from exc
-    if rows and ("scene_full_id" not in rows[0] or text_column not in rows[0]):
-        raise StoryDataError(path, f"not a VWP split: needs 'scene_full_id' and '{text_column}' columns")
-    per_scene: dict[str, int] = defaultdict(int)
-    records = []
-    for lineno, row in enumerate(rows, 2):
-        scene = row["scene_full_id"].strip()
-        if not scene:
-            raise StoryDataError(path, "empty scene_full_id", f"at line {lineno}")
-        story_id = f"{scene};{per_scene[scene]}"
-        per_scene[scene] += 1
-        links = [row[f"link{k}"].strip() for k in range(10) if (row.get(f"link{k}") or "").strip()]
-        image_ids = None
-        if (row.get("select_imgs_list") or "").strip():
-            image_ids = _parse_id_list(row["select_imgs_list"], path, f"{story_id!r} at line {lineno}")
-        records.append(StoryRecord(story_id, row[text_column], images=links or None, image_ids=image_ids))
-    return records
-
-
-def _parse_id_list(cell: str, path: Path, record: str) -> list[str]:
-    import ast
-
-    try:
-        value = ast.literal_eval(cell)
-    except (ValueError, SyntaxError):
-        value = [v for v in cell.replace(",", " ").split() if v]
-    if isinstance(value, (str, int)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise StoryDataError(path, f"select_imgs_list is not a list: {cell!r}", record)
-    return [str(v) for v in value]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from storyrl.training import loop
+from storyrl.training import checkpoints
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
 
@@ -243,7 +243,7 @@ def crash_on_rename(monkeypatch, src_name: str, nth: int) -> None:
                     raise Crash(f"killed renaming {src} -> {dst}")
             os.replace(src, dst)
 
-    monkeypatch.setattr(loop, "os", FakeOs())
+    monkeypatch.setattr(checkpoints, "os", FakeOs())
 
 
 def test_resume_falls_back_to_last_old_and_rewrites_history(tmp_path, monkeypatch):

@@ -14,6 +14,8 @@ Output directory layout::
     last.old/, best.old/   the previous version, present only when a crash
                     interrupted its replacement; resume falls back to them
 
+These files are written and read by :mod:`storyrl.training.checkpoints`.
+
 A ``max_steps`` stop inside an epoch checkpoints the position in that epoch
 (batches done, the epoch's running train totals, the RNG state after the last
 step); resume finishes the epoch from there, so an interrupted and resumed run
@@ -26,9 +28,6 @@ import itertools
 import json
 import logging
 import math
-import os
-import random
-import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +39,17 @@ import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate i
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from storyrl.training.checkpoints import (
+    TRAINER_STATE,
+    find_checkpoint,
+    load_checkpoint,
+    restore_best,
+    rng_state,
+    save_best,
+    save_checkpoint,
+    set_rng_state,
+    write_history,
+)
 from storyrl.training.config import TrainConfig
 
 __all__ = ["FitResult", "fit", "StepFn", "SaveFn", "TRAINER_STATE"]
@@ -48,11 +58,6 @@ logger = logging.getLogger(__name__)
 
 StepFn = Callable[[torch.nn.Module, Any], "tuple[torch.Tensor, Mapping[str, float]]"]
 SaveFn = Callable[[torch.nn.Module, Path], None]
-
-TRAINER_STATE = "trainer_state.json"
-# Settings that may legitimately change when resuming (train longer, stop
-# sooner, different logging); anything else differing gets a warning.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "patience", "log_every", "num_workers", "output_dir"}
 
 
 @dataclass
@@ -176,75 +181,6 @@ def _metric_keys(accelerator, local: Mapping[str, float]) -> list[str]:
     return sorted(keys)
 
 
-def _swap_in(tmp: Path, final: Path) -> None:
-    """Replace directory ``final`` by the complete ``tmp`` so that a crash at
-    any point leaves the old (``final``.old) or the new one intact."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        # final only ever appears by this rename, so it is complete and any
-        # .old left by an earlier crash is stale.
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    # Otherwise an earlier crash came between the two renames: .old is the
-    # only complete copy, kept until tmp is in place.
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)
-
-
-def _restore_best(output_dir: Path) -> None:
-    """On resume: a best.old means the interrupted run crashed while
-    replacing best/, before its checkpoint recorded the new best (the
-    checkpoint is written after best/), so best.old is the best/ that goes
-    with the checkpoint; the epoch is run again and re-saves it if due."""
-    best, old, tmp = output_dir / "best", output_dir / "best.old", output_dir / "best.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if old.exists():
-        if best.exists():
-            shutil.rmtree(best)
-        os.replace(old, best)
-        logger.warning("%s: restored best/ from best.old (left by an interrupted save)", output_dir)
-
-
-def _find_checkpoint(output_dir: Path) -> Path | None:
-    for candidate in (output_dir / "last", output_dir / "last.old"):  # .old: crash mid-swap
-        if (candidate / TRAINER_STATE).is_file():
-            return candidate
-    return None
-
-
-def _write_history(path: Path, history: list[dict]) -> None:
-    # Written aside and renamed: a crash never leaves a truncated history.
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in history:
-            f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-
-
-def _rng_state() -> dict[str, Any]:
-    """The global RNG states a training step can draw from (those accelerate's
-    checkpoints save, for CPU and CUDA)."""
-    import numpy as np
-
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def fit(
     model: torch.nn.Module,
     train_dataset: Dataset,
@@ -291,7 +227,7 @@ def fit(
 
     checkpoint = None
     if resume:
-        checkpoint = _find_checkpoint(output_dir)
+        checkpoint = find_checkpoint(output_dir)
         if checkpoint is None:
             raise FileNotFoundError(
                 f"resume=True but there is no checkpoint to resume from in {output_dir} "
@@ -302,7 +238,7 @@ def fit(
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         if checkpoint is not None:
-            _restore_best(output_dir)
+            restore_best(output_dir)
 
     set_seed(config.seed)
     collate = _CountingCollate(collate_fn)
@@ -344,15 +280,7 @@ def fit(
     resume_seconds = 0.0
     resume_rng: dict[str, Any] | None = None
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-        changed = sorted(
-            k
-            for k, v in state.get("config", {}).items()
-            if k not in _RESUME_MAY_CHANGE and config.to_dict().get(k, v) != v
-        )
-        if changed:
-            logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
+        state = load_checkpoint(accelerator, checkpoint, config)
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
         best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
@@ -368,7 +296,7 @@ def fit(
                 resume_totals = _Totals.restore(partial["train"])
             # load_state has just restored the RNG as it was after the last
             # step; kept for when the skipped batches have been drawn.
-            resume_rng = _rng_state()
+            resume_rng = rng_state()
         logger.info(
             "resuming from %s after epoch %d%s (step %d)",
             checkpoint,
@@ -379,7 +307,7 @@ def fit(
     history_path = output_dir / "history.jsonl"
     if main:
         # Rewritten from the checkpoint: drops records of epochs after it.
-        _write_history(history_path, history)
+        write_history(history_path, history)
 
     def finished() -> bool:
         return (
@@ -412,7 +340,7 @@ def fit(
             # last step.
             for _ in itertools.islice(batches, skip):
                 pass
-            _set_rng_state(resume_rng)
+            set_rng_state(resume_rng)
         epoch_batches = skip
         hit_max_steps = False
         bar = tqdm(batches, total=len(train_loader), initial=skip, desc=f"epoch {epoch}", leave=False,
@@ -441,7 +369,7 @@ def fit(
         partial = hit_max_steps and epoch_batches < len(train_loader)
         if partial:
             train_seconds = time.perf_counter() - started
-            after_step_rng = _rng_state()  # validation draws from it (the loader's seed)
+            after_step_rng = rng_state()  # validation draws from it (the loader's seed)
 
         model.eval()
         val_totals = _Totals()
@@ -453,7 +381,7 @@ def fit(
                     loss, metrics = step_fn(eval_model, batch)
                 val_totals.add(loss, n, metrics)
         if partial:
-            _set_rng_state(after_step_rng)
+            set_rng_state(after_step_rng)
         else:
             scheduler.step()
 
@@ -487,20 +415,14 @@ def fit(
 
         if main:
             if replaces:
-                _write_history(history_path, history)
+                write_history(history_path, history)
             else:
                 with open(history_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(record) + "\n")
                     f.flush()
             if improved:
-                # Written aside and swapped in: best/ is always complete.
-                tmp = output_dir / "best.tmp"
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                save_fn(accelerator.unwrap_model(model), tmp)
-                if tmp.exists():  # a save_fn may write nothing there
-                    _swap_in(tmp, output_dir / "best")
-        _save_checkpoint(
+                save_best(save_fn, accelerator.unwrap_model(model), output_dir)
+        save_checkpoint(
             accelerator,
             output_dir,
             {
@@ -566,18 +488,3 @@ def _make_accelerator(config: TrainConfig):
     logger.warning("re-initialising accelerate's state for mixed_precision=%r", config.mixed_precision)
     AcceleratorState._reset_state()
     return Accelerator(**kwargs)
-
-
-def _save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:
-    """accelerate's full state (model, optimizer, scheduler, RNG, grad scaler)
-    plus the loop's own, written to last.tmp and then swapped in."""
-    tmp = output_dir / "last.tmp"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))  # every process: per-process RNG files
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-        _swap_in(tmp, output_dir / "last")
-    accelerator.wait_for_everyone()

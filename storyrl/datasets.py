@@ -1,0 +1,105 @@
+"""Loaders of the public datasets' own layouts into story sets.
+
+* VIST story-in-sequence annotations (:func:`load_vist_sis`);
+* the VWP test split CSV (:func:`load_vwp`).
+
+Both return :class:`storyrl.data.StoryRecord` lists and raise
+:class:`storyrl.data.StoryDataError` on malformed input, like the story-set
+readers of :mod:`storyrl.data` (which re-exports these loaders).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from storyrl.data import StoryDataError, StoryRecord
+
+__all__ = ["load_vist_sis", "load_vwp"]
+
+
+def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:
+    """VIST story-in-sequence annotations (``test.story-in-sequence.json``):
+    one record per story id with its 5 image ids in story order and the human
+    story (the storylets' ``text`` joined by spaces, as in the d_HM files)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
+        raise StoryDataError(path, "not a VIST SIS file: no 'annotations' list")
+    storylets: dict[str, list[dict]] = defaultdict(list)
+    for k, ann in enumerate(data["annotations"]):
+        items = ann if isinstance(ann, list) else [ann]
+        for item in items:
+            if not isinstance(item, dict):
+                raise StoryDataError(path, "annotation is not an object", f"annotations[{k}]")
+            for key in ("story_id", "photo_flickr_id", "worker_arranged_photo_order", "text"):
+                if key not in item:
+                    raise StoryDataError(path, f"missing field '{key}'", f"annotations[{k}]")
+            storylets[str(item["story_id"])].append(item)
+    records = []
+    for story_id, items in storylets.items():
+        items.sort(key=lambda it: int(it["worker_arranged_photo_order"]))
+        orders = [int(it["worker_arranged_photo_order"]) for it in items]
+        if orders != list(range(len(items))):
+            raise StoryDataError(path, f"photo orders {orders} are not 0..{len(items) - 1}", repr(story_id))
+        records.append(
+            StoryRecord(
+                story_id,
+                " ".join(str(it["text"]).strip() for it in items),
+                image_ids=[str(it["photo_flickr_id"]) for it in items],
+            )
+        )
+    return records
+
+
+def load_vwp(path: str | os.PathLike, text_column: str = "story") -> list[StoryRecord]:
+    """The VWP test split CSV (``vwp_v2.1_test.csv`` layout: ``scene_full_id``,
+    ``story``, ``link0``..``link9`` image URLs, ``select_imgs_list``).
+
+    Story ids are ``<scene_full_id>;<k>`` with ``k`` the story's position among
+    the rows of its scene (the id scheme of the d_HM VWP files); images are the
+    non-empty ``linkN`` cells in order; ``image_ids`` come from
+    ``select_imgs_list`` when present.
+    """
+    path = Path(path)
+    try:
+        with path.open(newline="", encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise StoryDataError(path, f"cannot read: {exc}") from exc
+    if rows and ("scene_full_id" not in rows[0] or text_column not in rows[0]):
+        raise StoryDataError(path, f"not a VWP split: needs 'scene_full_id' and '{text_column}' columns")
+    per_scene: dict[str, int] = defaultdict(int)
+    records = []
+    for lineno, row in enumerate(rows, 2):
+        scene = row["scene_full_id"].strip()
+        if not scene:
+            raise StoryDataError(path, "empty scene_full_id", f"at line {lineno}")
+        story_id = f"{scene};{per_scene[scene]}"
+        per_scene[scene] += 1
+        links = [row[f"link{k}"].strip() for k in range(10) if (row.get(f"link{k}") or "").strip()]
+        image_ids = None
+        if (row.get("select_imgs_list") or "").strip():
+            image_ids = _parse_id_list(row["select_imgs_list"], path, f"{story_id!r} at line {lineno}")
+        records.append(StoryRecord(story_id, row[text_column], images=links or None, image_ids=image_ids))
+    return records
+
+
+def _parse_id_list(cell: str, path: Path, record: str) -> list[str]:
+    import ast
+
+    try:
+        value = ast.literal_eval(cell)
+    except (ValueError, SyntaxError):
+        value = [v for v in cell.replace(",", " ").split() if v]
+    if isinstance(value, (str, int)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise StoryDataError(path, f"select_imgs_list is not a list: {cell!r}", record)
+    return [str(v) for v in value]
