@@ -10,7 +10,7 @@ Formats
 * Score table, CSV: ``story_id`` plus one column per metric; an empty cell (or
   ``nan``) means unscorable.
 * VIST story-in-sequence annotations and the VWP test split: loaded by
-  :mod:`storyrl.datasets` (``load_vist_sis``, ``load_vwp``, re-exported here).
+  :mod:`storyrl.datasets` (``load_vist_sis``, ``load_vwp``).
 
 Every malformed input raises :class:`StoryDataError` naming the file, the
 record and the problem; nothing is dropped silently.
@@ -25,13 +25,8 @@ import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from importlib import import_module
 from pathlib import Path
 from typing import Any
-
-# The dataset loaders live in storyrl.datasets (which imports this module):
-# re-exported here on first access.
-_DATASET_LOADERS = ("load_vist_sis", "load_vwp")
 
 __all__ = [
     "StoryDataError",
@@ -46,20 +41,7 @@ __all__ = [
     "parse_score_csv",
     "check_story_ids",
     "METRIC_ALIASES",
-    *_DATASET_LOADERS,
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _DATASET_LOADERS:
-        value = getattr(import_module("storyrl.datasets"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_DATASET_LOADERS))
 
 
 class StoryDataError(ValueError):

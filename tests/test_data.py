@@ -8,13 +8,12 @@ import math
 import pytest
 
 from conftest import REPO, shared_path
+from storyrl.datasets import load_vist_sis, load_vwp
 from storyrl.data import (
     ScoreWriter,
     StoryDataError,
     StoryRecord,
     load_stories,
-    load_vist_sis,
-    load_vwp,
     read_scores,
     save_stories,
     write_scores,

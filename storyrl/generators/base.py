@@ -6,7 +6,7 @@ A generator turns *records with images* into *stories*:
   reads them from the JSONL files ``storyrl score`` reads (``story_id``,
   ``images`` or ``image_ids``; ``story`` holds the human story, which a
   generator may use as context, e.g. the previous sentence) or as
-  :func:`storyrl.data.load_vist_sis` / :func:`storyrl.data.load_vwp` build them.
+  :func:`storyrl.datasets.load_vist_sis` / :func:`storyrl.datasets.load_vwp` build them.
 * **Out**: a :class:`Generations` -- ``stories`` ``{story_id: story}`` (write
   it with :meth:`Generations.save`: the JSON story set ``storyrl score``
   reads) and ``failures`` ``{story_id: error}``. A failed generation is
