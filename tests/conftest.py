@@ -1,6 +1,8 @@
 """Shared fixtures. The authors' data lives in ../shared/data (never copied
 here): tests that need it skip with a reason when it is absent, and fail
-instead when STORYRL_REQUIRE_SHARED=1 (CI)."""
+instead when STORYRL_REQUIRE_SHARED=1 (CI). Tiny random-weight models,
+tokenizers and their files are built by tiny_models.py; the common ones are
+fixtures here."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("STORYRL_SHARED_DATA", REPO.parent / "shared" / "data"))
 
-sys.path.insert(0, str(Path(__file__).parent))  # for nltk_reference
+sys.path.insert(0, str(Path(__file__).parent))  # for nltk_reference and tiny_models
+
+import tiny_models  # noqa: E402
 
 
 def shared_path(*parts: str) -> Path:
@@ -30,20 +34,34 @@ def load_story_json(*parts: str) -> dict[str, str]:
     return json.loads(shared_path(*parts).read_text(encoding="utf-8"))
 
 
+# -- tiny random-weight models and their files (built in tiny_models.py) --------
+
+
 @pytest.fixture(scope="session")
 def tiny_clip(tmp_path_factory):
     """A tiny random-weight CLIP as an open_clip ``local-dir:`` model name."""
-    from clip_fixtures import make_tiny_clip
-
-    return make_tiny_clip(tmp_path_factory.mktemp("clip"))
+    return tiny_models.save_tiny_clip(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.fixture(scope="session")
 def images(tmp_path_factory):
-    """Paths of 3 small distinct test images."""
-    from clip_fixtures import make_images
+    """Paths of 3 small distinct test images, ``img0.png`` to ``img2.png`` in one folder."""
+    return [str(p) for p in tiny_models.write_images(tmp_path_factory.mktemp("img"), n=3)]
 
-    return [str(p) for p in make_images(tmp_path_factory.mktemp("img"), n=3)]
+
+@pytest.fixture(scope="session")
+def glove_path(tmp_path_factory) -> str:
+    """A GloVe file: ``tiny_models.GLOVE_WORDS`` with random ``WORD_DIM``-d vectors."""
+    return tiny_models.write_glove(tmp_path_factory.mktemp("glove") / "glove.txt")
+
+
+@pytest.fixture(scope="session")
+def rovist_vg_dir(tmp_path_factory) -> str:
+    """A tiny random-weight RoViST-VG model saved in storyrl's format (for
+    ``WORD_DIM``-d word vectors, as ``glove_path``)."""
+    directory = tmp_path_factory.mktemp("rovist_vg_model")
+    tiny_models.rovist_vg_model().save_pretrained(directory)
+    return str(directory)
 
 
 @pytest.fixture

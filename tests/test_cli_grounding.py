@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from clip_fixtures import make_images, make_tiny_clip
 from conftest import REPO, shared_path
 
 from storyrl.cli import main
@@ -22,13 +21,12 @@ def run(*args, env=None):
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, tiny_clip, images):
     root = tmp_path_factory.mktemp("cli")
-    clip = make_tiny_clip(root / "clip")
-    images = make_images(root / "images", n=3)
+    image_root = Path(images[0]).parent  # img0.png, img1.png, img2.png
     stories = root / "stories.jsonl"
     lines = [
-        {"story_id": "s1", "story": "The dog ran. The sky was blue. A car.", "images": [str(p) for p in images]},
+        {"story_id": "s1", "story": "The dog ran. The sky was blue. A car.", "images": images},
         {"story_id": "s2", "story": "A church. The bride smiled.", "image_ids": ["img0", "img1"]},
         {"story_id": "s3", "story": "Nothing to see.", "images": [str(root / "missing.png")]},
     ]
@@ -37,11 +35,11 @@ def setup(tmp_path_factory):
     nps.write_text(json.dumps({"s1": ["the dog", "the sky", "a car"], "s2": ["a church", "the bride"], "s3": ["the void"]}))
     groovist_dir = shared_path("groovist")
     common = [
-        "--clip-model", clip, "--image-root", root / "images", "--noun-phrases", nps,
+        "--clip-model", tiny_clip, "--image-root", image_root, "--noun-phrases", nps,
         "--concreteness", groovist_dir / "concreteness_ratings.csv", "-q",
     ]
     env = {"STORYRL_CACHE": str(groovist_dir)}  # pronoun list from the "asset cache"
-    return {"root": root, "stories": stories, "common": common, "env": env, "clip": clip}
+    return {"root": root, "stories": stories, "common": common, "env": env, "clip": tiny_clip}
 
 
 def test_score_groovist_and_clipscore(setup, tmp_path):
@@ -97,10 +95,9 @@ def test_bad_inputs_give_clear_errors(setup, tmp_path):
     assert result.exit_code != 0 and "presets" in result.output
 
 
-def test_regions_command_needs_weights(tmp_path, monkeypatch):
-    images = make_images(tmp_path / "imgs", n=1)
+def test_regions_command_needs_weights(images, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # no cached checkpoint there
-    result = run("regions", *images, "-o", tmp_path / "regions.csv", "-q")
+    result = run("regions", images[0], "-o", tmp_path / "regions.csv", "-q")
     assert result.exit_code != 0
     assert "fasterrcnn_resnet50_fpn_coco" in result.output and "--weights" in result.output
 

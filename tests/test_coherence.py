@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import shared_path
+from tiny_models import albert_tokenizer, coherence_model
 
 import storyrl  # noqa: F401  (before transformers on CPU-only torchvision)
 from storyrl.models.coherence import CoherenceModel, encode_pairs
@@ -29,40 +30,14 @@ TEXTS = [
 ]
 
 
-def make_tokenizer(texts=TEXTS):
-    """A tiny WordLevel tokenizer with BERT-style specials and pair encoding."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([t.lower() for t in texts], trainers.WordLevelTrainer(special_tokens=specials))
-    tok.normalizer = __import__("tokenizers").normalizers.Lowercase()
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    # Standard pair encoding: the independent reference below relies on it.
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny ALBERT coherence model saved in both formats."""
-    from transformers import AlbertConfig
-
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("coherence")
-    tokenizer = make_tokenizer()
-    config = AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, intermediate_size=64)
-    model = CoherenceModel.from_config(config).eval()
-    with torch.no_grad():  # a head that separates the classes a little, so scores vary
-        model.linear.weight.mul_(20)
+    tokenizer = albert_tokenizer(TEXTS)
+    # A head that separates the classes a little, so scores vary.
+    model = coherence_model(seed=0, size="small", head_scale=20).eval()
+    config = model.albert_model.config
     model.save_pretrained(root / "storyrl", tokenizer)
     base = root / "base"  # stands in for albert-large-v1: config + tokenizer
     config.save_pretrained(base)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tiny_models import save_random_detector
 
 from storyrl.images import (
     COCO_CHECKPOINT,
@@ -385,7 +386,6 @@ def random_detector(tmp_path_factory) -> Path:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the compat fallback warning
-        from torchvision.models.detection import fasterrcnn_resnet50_fpn
         from torchvision.ops import roi_align
 
     # Without compiled ops torchvision runs roi_align in Python through torch.compile,
@@ -398,11 +398,7 @@ def random_detector(tmp_path_factory) -> Path:
     finally:
         torch._dynamo.config.disable = disabled
 
-    torch.manual_seed(0)
-    model = fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91)
-    path = tmp_path_factory.mktemp("weights") / "random_frcnn.pth"
-    torch.save(model.state_dict(), path)
-    return path
+    return save_random_detector(tmp_path_factory.mktemp("weights") / "random_frcnn.pth", seed=0)
 
 
 def read_rows(path: Path) -> tuple[list[str], list[dict]]:

@@ -1,6 +1,6 @@
 """RoViST-VG: formula and loss by hand, GloVe parsing, the reward against an
-independent computation with a tiny random timm ViT, batching, failures,
-storage, pickling, and training through the generic loop."""
+independent computation with a tiny random timm ViT (tests/tiny_models.py),
+batching, failures, storage, pickling, and training through the generic loop."""
 
 from __future__ import annotations
 
@@ -10,40 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_models import WORD_DIM, rovist_vg_model
 
 import storyrl  # noqa: F401  (torchvision fallback before timm)
 from storyrl.models.glove import load_glove
 from storyrl.models.rovist_vg import RovistVGModel
 from storyrl.rewards.rovist_vg import RovistVG, rovist_vg_score, scale_score
-
-TINY_VIT = "vit_tiny_patch16_224"
-TINY_TIMM = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}
-WORDS = ["dog", "cat", "car", "sky", "tree", "man", "woman", "red", "church", "bottle", "the", "a"]
-WORD_DIM = 8
-
-
-def tiny_model(seed: int = 0, embed_dim: int = 16) -> RovistVGModel:
-    import torch
-
-    torch.manual_seed(seed)
-    return RovistVGModel.from_config(TINY_VIT, False, embed_dim, WORD_DIM, timm_kwargs=TINY_TIMM).eval()
-
-
-@pytest.fixture(scope="session")
-def glove_path(tmp_path_factory) -> str:
-    rng = np.random.default_rng(1)
-    path = tmp_path_factory.mktemp("glove") / "glove.txt"
-    lines = [w + " " + " ".join(f"{v:.6f}" for v in rng.normal(size=WORD_DIM)) for w in WORDS]
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return str(path)
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    directory = tmp_path_factory.mktemp("rovist_vg_model")
-    tiny_model().save_pretrained(directory)
-    return str(directory)
-
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
@@ -175,9 +147,9 @@ def region_table(tmp_path):
 
 
 @pytest.mark.parametrize("scaled", [False, True])
-def test_reward_matches_hand_computation(model_dir, glove_path, corpus, images, region_table, scaled):
+def test_reward_matches_hand_computation(rovist_vg_dir, glove_path, corpus, images, region_table, scaled):
     table, boxes = region_table
-    reward = make(model_dir, glove_path, idf_corpus=corpus, region_table=table, scaled=scaled)
+    reward = make(rovist_vg_dir, glove_path, idf_corpus=corpus, region_table=table, scaled=scaled)
     assert reward.regions == "table"
     # Precomputed nouns: repeats (any case) dropped, a noun without a vector skipped.
     nouns = ["Dog", "car", "dog", "unicorn", "sky"]
@@ -187,7 +159,7 @@ def test_reward_matches_hand_computation(model_dir, glove_path, corpus, images, 
     idf = [math.log(4 / 3), math.log(4 / 2), math.log(4 / 2)]
     assert [n["idf"] for n in details["nouns"]] == pytest.approx(idf)
     expected, best = independent_rovist_vg(
-        model_dir,
+        rovist_vg_dir,
         glove_path,
         ["dog", "car", "sky"],
         [(images[0], boxes["img0"]), (images[1], boxes["img1"])],
@@ -200,27 +172,27 @@ def test_reward_matches_hand_computation(model_dir, glove_path, corpus, images, 
     assert reward.value_range == ((-1.0, 1.0) if scaled else (-math.inf, math.inf))
 
 
-def test_batched_equals_one_by_one(model_dir, glove_path, corpus, images):
+def test_batched_equals_one_by_one(rovist_vg_dir, glove_path, corpus, images):
     from storyrl.models.runtime import release_models
 
-    reward = make(model_dir, glove_path, idf_corpus=corpus)
+    reward = make(rovist_vg_dir, glove_path, idf_corpus=corpus)
     nouns = [["dog", "car"], ["sky", "dog", "tree"], ["man"], ["church", "sky"]]
     seqs = [images, images[:2], images[1:], images]
     batch = reward.score(["s"] * 4, images=seqs, nouns=nouns)
     assert np.all(np.isfinite(batch))
     release_models()  # cold caches for the one-by-one pass
     single = [
-        make(model_dir, glove_path, idf_corpus=corpus).score(["s"], images=[s], nouns=[n])[0]
+        make(rovist_vg_dir, glove_path, idf_corpus=corpus).score(["s"], images=[s], nouns=[n])[0]
         for s, n in zip(seqs, nouns)
     ]
     np.testing.assert_allclose(batch, single, atol=1e-5, rtol=0)
 
 
-def test_regions_and_nouns_embedded_once(model_dir, glove_path, images):
+def test_regions_and_nouns_embedded_once(rovist_vg_dir, glove_path, images):
     from storyrl.models.runtime import release_models
 
     release_models()
-    reward = make(model_dir, glove_path)
+    reward = make(rovist_vg_dir, glove_path)
     reward.score(["s"] * 6, images=[images] * 6, nouns=[["dog", "cat"]] * 6)  # GRPO candidates
     stats = reward.embedder.stats
     assert stats["regions_embedded"] == 3 * 10 and stats["texts_embedded"] == 2  # 3 images x (3x3 grid + whole)
@@ -228,10 +200,10 @@ def test_regions_and_nouns_embedded_once(model_dir, glove_path, images):
     assert stats["regions_embedded"] == 30 and stats["texts_embedded"] == 2
 
 
-def test_unscorable_stories_get_nan_and_a_reason(model_dir, glove_path, images, tmp_path):
+def test_unscorable_stories_get_nan_and_a_reason(rovist_vg_dir, glove_path, images, tmp_path):
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image")
-    reward = make(model_dir, glove_path, regions="whole")
+    reward = make(rovist_vg_dir, glove_path, regions="whole")
     scores = reward.score(
         ["a", "b", "c", "d", "e"],
         images=[images, [str(tmp_path / "missing.png")], [str(broken)], images, images],
@@ -244,10 +216,10 @@ def test_unscorable_stories_get_nan_and_a_reason(model_dir, glove_path, images, 
     assert "missing.png" in missing["reason"] and "not found" in missing["reason"]
 
 
-def test_save_load_round_trip_gives_identical_scores(model_dir, glove_path, images, tmp_path):
+def test_save_load_round_trip_gives_identical_scores(rovist_vg_dir, glove_path, images, tmp_path):
     import torch
 
-    loaded = RovistVGModel.from_pretrained(model_dir)
+    loaded = RovistVGModel.from_pretrained(rovist_vg_dir)
     loaded.save_pretrained(tmp_path / "again")
     again = RovistVGModel.from_pretrained(tmp_path / "again")
     pixels, vectors = torch.randn(2, 3, 32, 32), torch.randn(2, WORD_DIM)
@@ -256,13 +228,13 @@ def test_save_load_round_trip_gives_identical_scores(model_dir, glove_path, imag
             assert torch.equal(a, b)
     assert again.config() == loaded.config() and again.data_config["input_size"] == (3, 32, 32)
     nouns = [["dog", "car", "tree"]]
-    first = make(model_dir, glove_path).score(["s"], images=[images], nouns=nouns)
+    first = make(rovist_vg_dir, glove_path).score(["s"], images=[images], nouns=nouns)
     second = make(str(tmp_path / "again"), glove_path).score(["s"], images=[images], nouns=nouns)
     np.testing.assert_array_equal(first, second)
 
 
-def test_pickle_and_trl_contract(model_dir, glove_path, images):
-    reward = make(model_dir, glove_path, regions="whole")
+def test_pickle_and_trl_contract(rovist_vg_dir, glove_path, images):
+    reward = make(rovist_vg_dir, glove_path, regions="whole")
     expected = reward.score(["s"], images=[images], nouns=[["dog"]])[0]  # loads everything
     clone = pickle.loads(pickle.dumps(reward))
     assert clone.__name__ == "rovist_vg" and clone.config() == reward.config()
@@ -276,7 +248,7 @@ def test_pickle_and_trl_contract(model_dir, glove_path, images):
     assert out[0] == pytest.approx(expected) and out[1] is None
 
 
-def test_spacy_extraction_path_with_a_fake_pipeline(model_dir, glove_path, images):
+def test_spacy_extraction_path_with_a_fake_pipeline(rovist_vg_dir, glove_path, images):
     """Without precomputed nouns the story is POS-tagged (NOUN/PROPN tokens);
     a hand-annotated Doc stands in for the English pipeline."""
     import spacy
@@ -295,7 +267,7 @@ def test_spacy_extraction_path_with_a_fake_pipeline(model_dir, glove_path, image
                     pos=["DET", "NOUN", "VERB", "DET", "NOUN", "PUNCT"],
                 )
 
-    reward = make(model_dir, glove_path, regions="whole")
+    reward = make(rovist_vg_dir, glove_path, regions="whole")
     reward._extractor = PhraseExtractor(nlp=FakeNlp(), units="nouns")
     (parsed,) = reward.explain(["the dog saw a cat ."], images=[images])
     assert [n["noun"] for n in parsed["nouns"]] == ["dog", "cat"]
@@ -303,18 +275,18 @@ def test_spacy_extraction_path_with_a_fake_pipeline(model_dir, glove_path, image
     assert parsed["score"] == pytest.approx(given["score"])
 
 
-def test_bad_configuration(model_dir, glove_path, tmp_path):
+def test_bad_configuration(rovist_vg_dir, glove_path, tmp_path):
     # Checked when scoring starts (configs load before the model exists), and raised, not NaN.
     with pytest.raises(ValueError, match="needs model"):
         RovistVG(glove=glove_path).score(["a dog."], images=[["x.png"]])
     with pytest.raises(ValueError, match="needs glove"):
-        RovistVG(model=model_dir).score(["a dog."], images=[["x.png"]])
+        RovistVG(model=rovist_vg_dir).score(["a dog."], images=[["x.png"]])
     with pytest.raises(ValueError, match="not a storyrl RoViST-VG model"):
         RovistVG(model=str(tmp_path), glove=glove_path).score(["a dog."], images=[["x.png"]])
     with pytest.raises(ValueError, match="regions"):
-        make(model_dir, glove_path, regions="detector")
+        make(rovist_vg_dir, glove_path, regions="detector")
     with pytest.raises(ValueError, match="precision"):
-        make(model_dir, glove_path, precision="fp8")
+        make(rovist_vg_dir, glove_path, precision="fp8")
 
 
 def test_config_files_parse():
@@ -391,7 +363,7 @@ def test_training_lowers_the_loss_and_saves_a_usable_model(images, glove_path, t
         patience=20,
         log_every=1000,
     )
-    model = tiny_model(seed=3)
+    model = rovist_vg_model(seed=3)
     dataset = RegionPhraseDataset(read_pairs(pairs, root), load_glove(glove_path), model.image_transform())
     assert len(dataset) == 8 and dataset.skipped == 1
     pixels, vector = dataset[0]

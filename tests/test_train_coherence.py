@@ -1,5 +1,5 @@
 """RoViST-C training: SOP example construction, story-level split, and a tiny
-end-to-end run (random tiny ALBERT, in-test tokenizer)."""
+end-to-end run (random tiny ALBERT and word-level tokenizer, tests/tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import storyrl  # noqa: F401  (before torch/transformers: CPU torchvision fallba
 import numpy as np
 import pytest
 import torch
+from tiny_models import albert_tokenizer, coherence_model
 
 from storyrl.training.coherence import (
     CoherenceTrainConfig,
@@ -92,7 +93,6 @@ def test_split_examples_by_story():
 NAMES = ["Tom", "Ann", "Sam", "Mia", "Joe", "Eva"]
 PLACES = ["market", "park", "beach", "school", "library", "zoo"]
 THINGS = ["apple", "book", "ball", "hat", "kite", "cake"]
-SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
 def synthetic_stories(n: int, seed: int = 0) -> dict[str, str]:
@@ -111,40 +111,12 @@ def synthetic_stories(n: int, seed: int = 0) -> dict[str, str]:
 
 
 def make_tokenizer():
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = sorted({w.lower() for s in synthetic_stories(200).values() for w in s.replace(".", " . ").split()})
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + words)}
-    assert len(vocab) <= 128
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    backend.normalizer = normalizers.Lowercase()
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    """The words of 200 synthetic stories, in alphabetical order."""
+    return albert_tokenizer(synthetic_stories(200).values(), sort_vocab=True, vocab_size=128)
 
 
 def tiny_model():
-    from transformers import AlbertConfig
-
-    from storyrl.models.coherence import CoherenceModel
-
-    torch.manual_seed(0)
-    config = AlbertConfig(
-        vocab_size=128,
-        embedding_size=16,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-    )
-    return CoherenceModel.from_config(config, dropout=0.1)
+    return coherence_model(seed=0, size="small", dropout=0.1)
 
 
 def test_train_coherence_end_to_end(tmp_path):

@@ -1,8 +1,9 @@
 """storyrl rewards as TRL reward functions.
 
 The slow tests run real ``trl.GRPOTrainer`` steps on CPU with a tiny random
-LLaMA and a tokenizer trained here, so nothing is downloaded. Random weights
-produce junk, so most completions are unscorable: TRL must accept ``None``.
+LLaMA and a tokenizer trained on the test's texts (tests/tiny_models.py), so
+nothing is downloaded. Random weights produce junk, so most completions are
+unscorable: TRL must accept ``None``.
 The fast tests call the reward TRL-style without a trainer.
 """
 
@@ -13,6 +14,7 @@ import pickle
 
 import numpy as np
 import pytest
+from tiny_models import chat_tokenizer, tiny_llama
 
 import storyrl  # noqa: F401  (installs the torchvision fallback before trl/transformers import it)
 from storyrl.rewards import create_reward
@@ -24,18 +26,13 @@ STORIES = [
 ]
 UNSCORABLE = ["One sentence only.", ""]
 
-# Words the tiny tokenizer knows; also the chat-template words and punctuation.
+# Words the tiny tokenizer knows (it adds its chat template's own).
 CORPUS = [
     *STORIES,
     "Tell me a story about a cat.",
     "Write a short story about the sea.",
-    "user : assistant : system :",
 ]
 PROMPTS = ["Tell me a story about a cat.", "Write a short story about the sea."]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant :{% endif %}"
-)
 MAX_STEPS = 2
 
 
@@ -53,46 +50,6 @@ def as_chat(text, *, parts=False):
 def expected(reward, texts):
     """``reward.score`` converted to TRL's convention (None for NaN)."""
     return [None if math.isnan(s) else float(s) for s in reward.score(texts)]
-
-
-def build_tokenizer():
-    """A word-level tokenizer trained on CORPUS, with pad/eos and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[EOS]"]
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()  # joins words with spaces
-    tok.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=specials))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        eos_token="[EOS]",
-        chat_template=CHAT_TEMPLATE,
-    )
-
-
-def build_model(tokenizer):
-    """A tiny random-weight LLaMA sized for the tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-    )
-    return LlamaForCausalLM(config)
 
 
 def build_dataset(conversational):
@@ -146,7 +103,7 @@ def spy_on_completions(monkeypatch):
 def train_grpo(tmp_path, reward, conversational):
     from trl import GRPOConfig, GRPOTrainer
 
-    tokenizer = build_tokenizer()
+    tokenizer = chat_tokenizer(CORPUS)
     args = GRPOConfig(
         output_dir=str(tmp_path),
         use_cpu=True,
@@ -163,7 +120,7 @@ def train_grpo(tmp_path, reward, conversational):
         seed=0,
     )
     trainer = GRPOTrainer(
-        model=build_model(tokenizer),
+        model=tiny_llama(tokenizer),
         reward_funcs=[reward],
         args=args,
         train_dataset=build_dataset(conversational),

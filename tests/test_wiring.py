@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import REPO
-from test_coherence import make_tokenizer  # the tiny tokenizer of the coherence tests
+from tiny_models import albert_tokenizer, save_coherence_model, write_glove
 
 import storyrl  # noqa: F401  (torchvision fallback before open_clip / transformers)
 from storyrl.rewards import create_reward, load_reward_config
@@ -91,50 +91,20 @@ STORIES = [
 ]
 
 
-def _coherence_model(directory: Path, seed: int) -> str:
-    """A tiny random ALBERT coherence model in storyrl's format."""
-    import torch
-    from transformers import AlbertConfig
-
-    from storyrl.models.coherence import CoherenceModel
-
-    torch.manual_seed(seed)
-    config = AlbertConfig(vocab_size=64, embedding_size=8, hidden_size=16, num_hidden_layers=1,
-                          num_attention_heads=2, intermediate_size=32)
-    model = CoherenceModel.from_config(config).eval()
-    with torch.no_grad():  # spread the probabilities, so two seeds score visibly differently
-        model.linear.weight.mul_(20)
-    model.save_pretrained(directory, make_tokenizer([s for _, s, _ in STORIES]))
-    return str(directory)
-
-
-def _rovist_vg_model(directory: Path, word_dim: int) -> str:
-    """A tiny random RoViST-VG model in storyrl's format."""
-    import torch
-
-    from storyrl.models.rovist_vg import RovistVGModel
-
-    torch.manual_seed(0)
-    timm = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}
-    RovistVGModel.from_config("vit_tiny_patch16_224", False, 16, word_dim, timm_kwargs=timm).eval().save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.fixture(scope="module")
-def cli_setup(tmp_path_factory, images):
+def cli_setup(tmp_path_factory, images, rovist_vg_dir):
     root = tmp_path_factory.mktemp("wiring_cli")
     stories = root / "stories.jsonl"
     stories.write_text("".join(json.dumps({"story_id": i, "story": s, "images": images}) + "\n" for i, s, _ in STORIES))
     nps = root / "nps.json"
     nps.write_text(json.dumps({i: p for i, _, p in STORIES}))
-    rng = np.random.default_rng(0)
-    glove = root / "glove.txt"
-    words = ["dog", "cat", "wall", "sky", "car", "the", "a", "red"]
-    glove.write_text("".join(w + " " + " ".join(f"{v:.5f}" for v in rng.normal(size=8)) + "\n" for w in words))
+    glove = write_glove(root / "glove.txt", ["dog", "cat", "wall", "sky", "car", "the", "a", "red"], seed=0)
+    # Two tiny ALBERTs, seeds 0 and 1, with heads that spread the probabilities: they score visibly differently.
+    tokenizer = albert_tokenizer([s for _, s, _ in STORIES], vocab_size=64)
+    coh = [save_coherence_model(root / f"coh_{k}", tokenizer, seed=k, size="tiny", head_scale=20) for k in (0, 1)]
     return {
-        "stories": stories, "nps": nps, "glove": str(glove), "images": images,
-        "coh_a": _coherence_model(root / "coh_a", seed=0), "coh_b": _coherence_model(root / "coh_b", seed=1),
-        "vg": _rovist_vg_model(root / "vg", word_dim=8),
+        "stories": stories, "nps": nps, "glove": glove, "images": images,
+        "coh_a": coh[0], "coh_b": coh[1], "vg": rovist_vg_dir,
     }
 
 

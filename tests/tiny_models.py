@@ -1,0 +1,282 @@
+"""Tiny random-weight models, tokenizers and data files for the tests, in one place.
+
+Every model here is built from a config with random weights (seeded), and
+every tokenizer is trained or assembled here from a handful of texts: nothing
+is downloaded, and once its library is imported each is built in well
+under a second on a CPU (the full-size Faster R-CNN detector in about one).
+They go through storyrl's real loading paths (``save_pretrained``/
+``from_pretrained``, open_clip ``local-dir:``), so a test exercises what
+users run, only smaller.
+
+Models and their sizes:
+
+- :func:`save_tiny_clip`: open_clip CLIP, 32-d embeddings, 32 px images,
+  ViT of 2 layers (width 32, patch 8), text transformer of 2 layers (width
+  32, context 16, the real 49 408-token BPE vocabulary).
+- :func:`coherence_model` / :func:`save_coherence_model`: RoViST-C
+  (ALBERT + pair head); ``ALBERT_SIZES`` "small" (vocabulary 128, hidden 32,
+  2 layers) or "tiny" (vocabulary 64, hidden 16, 1 layer).
+- :func:`albert_tokenizer`: word-level BERT-style tokenizer for them.
+- :func:`rovist_vg_model`: RoViST-VG, a timm ViT of 1 layer (width 32,
+  32 px images, patch 8) with 16-d projections of 8-d word vectors.
+- :func:`write_glove`: a GloVe text file of ``WORD_DIM``-d random vectors.
+- :func:`tiny_llama` / :func:`chat_tokenizer`: a causal LM (LLaMA, hidden
+  32, 2 layers) and a word-level tokenizer with a chat template, for TRL.
+- :func:`save_random_detector`: torchvision Faster R-CNN (ResNet-50 FPN,
+  91 COCO classes), random weights, as a ``--weights`` file.
+- :func:`write_images`: small colour-gradient PNG files.
+
+Heavy libraries are imported inside the functions, so importing this module
+(conftest does) costs nothing. ``conftest.py`` exposes the common ones as
+fixtures: ``tiny_clip``, ``images``, ``glove_path``, ``rovist_vg_dir``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+
+def _torchvision_fallback() -> None:
+    """Import storyrl first: on import it installs pure-PyTorch fallbacks for
+    torchvision's compiled ops where they fail to load, which open_clip,
+    timm and torchvision itself need."""
+    importlib.import_module("storyrl")
+
+# -- CLIP (open_clip) -------------------------------------------------------------
+
+TINY_CLIP_CFG = {
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2.0},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
+
+
+def save_tiny_clip(directory: Path, seed: int = 0) -> str:
+    """A tiny random-weight CLIP (``TINY_CLIP_CFG``, seeded) saved as an
+    open_clip ``local-dir:`` model: ``open_clip_config.json`` and the
+    weights in ``directory`` (kept if already there). Returns the model name
+    to pass as ``clip_model``."""
+    _torchvision_fallback()
+    import open_clip
+    import torch
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "open_clip_pytorch_model.bin").exists():
+        torch.manual_seed(seed)
+        model = open_clip.CLIP(**TINY_CLIP_CFG)
+        (directory / "open_clip_config.json").write_text(json.dumps({"model_cfg": TINY_CLIP_CFG}))
+        torch.save(model.state_dict(), directory / "open_clip_pytorch_model.bin")
+    return f"local-dir:{directory}"
+
+
+def write_images(directory: Path, n: int = 3, size: tuple[int, int] = (48, 40)) -> list[Path]:
+    """``n`` distinct small RGB images (colour gradients, ``size`` = width,
+    height) as ``img0.png``, ``img1.png``, ... in ``directory``; the colours
+    depend on ``n`` only, so the same call gives the same files."""
+    import numpy as np
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    rng = np.random.default_rng(n)
+    for k in range(n):
+        w, h = size
+        x = np.linspace(0, 1, w)[None, :, None]
+        y = np.linspace(0, 1, h)[:, None, None]
+        base = rng.uniform(0, 255, size=3)
+        pixels = (base * (0.4 + 0.6 * x) * (0.5 + 0.5 * y) + 40 * k) % 256
+        path = directory / f"img{k}.png"
+        Image.fromarray(pixels.astype("uint8")).save(path)
+        paths.append(path)
+    return paths
+
+
+# -- word-level tokenizers ------------------------------------------------------------
+
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+CHAT_SPECIALS = ["[PAD]", "[UNK]", "[EOS]"]
+# "role : content" per message; the words are added to the chat tokenizer's texts.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+CHAT_TEMPLATE_WORDS = "user : assistant : system :"
+
+
+def _word_level(texts, specials: list[str], *, lowercase: bool, sort_vocab: bool = False):
+    """A ``tokenizers.Tokenizer``: whitespace/punctuation words of ``texts``,
+    ids for ``specials`` first, then the words by frequency as the trainer
+    orders them, or alphabetically with ``sort_vocab``; unknown words give
+    ``[UNK]``."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    texts = [t.lower() for t in texts] if lowercase else list(texts)
+    whitespace, vocab = pre_tokenizers.Whitespace(), None
+    if sort_vocab:
+        words = sorted({w for t in texts for w, _ in whitespace.pre_tokenize_str(t)} - set(specials))
+        vocab = {w: i for i, w in enumerate(specials + words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = whitespace
+    if vocab is None:
+        tok.train_from_iterator(texts, trainers.WordLevelTrainer(special_tokens=specials))
+    if lowercase:
+        tok.normalizer = normalizers.Lowercase()
+    return tok
+
+
+def albert_tokenizer(texts, *, sort_vocab: bool = False, vocab_size: int = 128):
+    """A word-level, lower-casing BERT-style ``PreTrainedTokenizerFast`` over
+    the words of ``texts`` (``[PAD] [UNK] [CLS] [SEP] [MASK]`` first), with
+    the standard pair encoding ``[CLS] a [SEP] b [SEP]`` and token types, as
+    ALBERT's. Word ids follow frequency, or the alphabet with ``sort_vocab``.
+    Fails unless the vocabulary fits an ALBERT of ``vocab_size``."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _word_level(texts, BERT_SPECIALS, lowercase=True, sort_vocab=sort_vocab)
+    assert tok.get_vocab_size() <= vocab_size, f"{tok.get_vocab_size()} words do not fit vocab_size={vocab_size}"
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    # Standard pair encoding: test_coherence's independent reference relies on it.
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+
+
+def chat_tokenizer(texts, chat_template: str = CHAT_TEMPLATE):
+    """A word-level, case-keeping ``PreTrainedTokenizerFast`` trained on
+    ``texts`` plus ``CHAT_TEMPLATE_WORDS`` (``[PAD] [UNK] [EOS]`` first),
+    decoding with spaces between words, with ``chat_template``: for a causal
+    LM (:func:`tiny_llama`) under TRL."""
+    from tokenizers import decoders
+    from transformers import PreTrainedTokenizerFast
+
+    tok = _word_level([*texts, CHAT_TEMPLATE_WORDS], CHAT_SPECIALS, lowercase=False)
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]", chat_template=chat_template
+    )
+
+
+# -- RoViST-C coherence (ALBERT) -----------------------------------------------------
+
+ALBERT_SIZES = {
+    "small": {"vocab_size": 128, "embedding_size": 16, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 2},
+    "tiny": {"vocab_size": 64, "embedding_size": 8, "hidden_size": 16, "intermediate_size": 32,
+             "num_hidden_layers": 1},
+}
+
+
+def albert_config(size: str = "small"):
+    """``transformers.AlbertConfig`` of ``ALBERT_SIZES[size]``, 2 attention heads."""
+    from transformers import AlbertConfig
+
+    return AlbertConfig(**ALBERT_SIZES[size], num_attention_heads=2)
+
+
+def coherence_model(seed: int = 0, *, size: str = "small", dropout: float = 0.4, head_scale: float = 1.0):
+    """A random-weight RoViST-C ``CoherenceModel`` (ALBERT of
+    :func:`albert_config` ``size``, seeded with ``seed``), in training mode.
+    ``head_scale`` multiplies the pair head's weights: random weights give
+    probabilities near 0.5, and 20 spreads them so that scores vary."""
+    import torch
+
+    from storyrl.models.coherence import CoherenceModel
+
+    torch.manual_seed(seed)
+    model = CoherenceModel.from_config(albert_config(size), dropout=dropout)
+    if head_scale != 1.0:
+        with torch.no_grad():
+            model.linear.weight.mul_(head_scale)
+    return model
+
+
+def save_coherence_model(directory: Path, tokenizer, **options) -> str:
+    """:func:`coherence_model` (``options``) saved with ``tokenizer`` in
+    storyrl's format; returns the directory, a reward's ``model``."""
+    coherence_model(**options).eval().save_pretrained(directory, tokenizer)
+    return str(directory)
+
+
+# -- RoViST-VG (timm ViT) and GloVe -----------------------------------------------------
+
+TINY_VIT = "vit_tiny_patch16_224"
+TINY_TIMM = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 32, "num_heads": 2}
+WORD_DIM = 8
+GLOVE_WORDS = ["dog", "cat", "car", "sky", "tree", "man", "woman", "red", "church", "bottle", "the", "a"]
+
+
+def rovist_vg_model(seed: int = 0, embed_dim: int = 16, word_dim: int = WORD_DIM):
+    """A random-weight ``RovistVGModel`` in eval mode: ``TINY_VIT`` shrunk by
+    ``TINY_TIMM`` (no ImageNet weights) and projections to ``embed_dim`` from
+    ``word_dim``-d word vectors, seeded with ``seed``."""
+    import torch
+
+    from storyrl.models.rovist_vg import RovistVGModel
+
+    torch.manual_seed(seed)
+    return RovistVGModel.from_config(TINY_VIT, False, embed_dim, word_dim, timm_kwargs=TINY_TIMM).eval()
+
+
+def write_glove(path: Path, words=GLOVE_WORDS, dim: int = WORD_DIM, seed: int = 1) -> str:
+    """A GloVe text file at ``path``: one line ``word v1 ... v{dim}`` per word,
+    standard normal values (``numpy`` seed ``seed``). Returns the path."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lines = [w + " " + " ".join(f"{v:.6f}" for v in rng.normal(size=dim)) for w in words]
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+# -- causal LM (TRL) -------------------------------------------------------------------
+
+LLAMA_SIZE = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "intermediate_size": 64, "max_position_embeddings": 128,
+}
+
+
+def tiny_llama(tokenizer, seed: int = 0):
+    """A random-weight ``LlamaForCausalLM`` of ``LLAMA_SIZE`` for
+    ``tokenizer`` (its vocabulary, pad and eos ids; no bos), seeded."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None, **LLAMA_SIZE,
+    )
+    return LlamaForCausalLM(config)
+
+
+# -- region detector (torchvision) -------------------------------------------------------
+
+
+def save_random_detector(path: Path, seed: int = 0) -> Path:
+    """torchvision's Faster R-CNN ResNet-50 FPN with random weights (91 COCO
+    classes, no backbone weights), its state dict saved at ``path``: a
+    ``--weights`` file for ``storyrl regions``. Returns the path."""
+    import warnings
+
+    import torch
+
+    _torchvision_fallback()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the compat fallback warning
+        from torchvision.models.detection import fasterrcnn_resnet50_fpn
+
+    torch.manual_seed(seed)
+    model = fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91)
+    torch.save(model.state_dict(), path)
+    return Path(path)
