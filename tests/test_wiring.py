@@ -122,8 +122,9 @@ def _cli_scores(*args) -> dict[str, list[float]]:
 
 
 def test_coherence_and_rovist_vg_model_options_reach_their_own_reward(cli_setup, tmp_path, one_thread):
-    """Break tried: swapping the two entries of ``_RENAMED_OPTIONS`` in
-    storyrl.cli, and mapping ``coherence_model`` to the rovist_vg reward."""
+    """Break tried (issue 8): swapping the two entries of the then hand-kept
+    renaming table, and mapping ``coherence_model`` to the rovist_vg reward.
+    The options are generated now; tests/test_cli_options.py checks every one."""
     s = cli_setup
     texts = [t for _, t, _ in STORIES]
     nps = [p for _, _, p in STORIES]

@@ -3,8 +3,10 @@
 This module holds the ``main`` group (one-line errors, exit 130 on Ctrl-C,
 ``--debug``, ``--version``) and registers the commands of its modules:
 ``score`` (score, groovist-calibrate, rewards), ``eval`` (dhm), ``data``
-(regions, assets) and ``train`` (train coherence, train rovist-vg); their
-shared helpers are in ``common`` and the reward options in ``reward_options``.
+(regions, assets) and ``train`` (one command per registered trainer); their
+shared helpers are in ``common``, the options generated from config
+dataclasses in ``config_options`` and the reward-specific parts in
+``reward_options``.
 
 Heavy libraries are imported inside the commands that need them, so
 ``storyrl --help`` and model-free scoring start fast.
