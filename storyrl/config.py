@@ -382,7 +382,8 @@ class Configurable:
                 prefix = f"{cls.config_class._label()}: "
                 message = str(exc)
                 message = message[len(prefix):] if message.startswith(prefix) else message
-                raise type(exc)(f"{self.kind} {self.name or cls.__name__!r}: {message}") from None
+                error = TypeError if isinstance(exc, TypeError) else ValueError
+                raise error(f"{self.kind} {self.name or cls.__name__!r}: {message}") from None
         elif options or not isinstance(config, cls.config_class):
             raise TypeError(
                 f"{self.kind} {self.name!r}: give a {cls.config_class.__name__} or keyword options, "

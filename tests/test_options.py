@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from storyrl.cli import main
 from storyrl.config import ConfigFileError, check_type, load_yaml, option_info
-from storyrl.rewards import create_reward, get_reward_class, list_rewards, load_reward_config
+from storyrl.rewards import create_reward, get_reward_class, load_reward_config
 from storyrl.rewards.repetition import Repetition
 
 BUILTIN = ["repetition", "groovist", "clipscore", "coherence", "rovist_vg"]

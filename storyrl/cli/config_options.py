@@ -32,7 +32,10 @@ import click
 
 from storyrl.config import REQUIRED, OptionInfo, option_info
 
-__all__ = ["GeneratedOptionsCommand", "click_option", "config_options", "reward_options", "split_reward_options"]
+__all__ = [
+    "GeneratedOptionsCommand", "click_option", "config_options", "expressible", "given", "reward_options",
+    "split_reward_options",
+]
 
 _SEP = "__"  # in the parameter name of --<reward>-<option>: "<reward>__<option>"
 
