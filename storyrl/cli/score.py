@@ -200,8 +200,10 @@ def _print_summary(table, columns) -> dict[str, int]:
     return scored
 
 
+# Every reward's options, as score has: the same command lines keep working
+# (only groovist's options matter here).
 @click.command("groovist-calibrate", cls=GeneratedOptionsCommand,
-               generate=lambda own: reward_options(["groovist"], own=own), epilog=EPILOG)
+               generate=lambda own: reward_options(own=own), epilog=EPILOG)
 @click.argument("stories", type=_FILE)
 @click.option("--batch-size", default=64, show_default=True, type=click.IntRange(min=1))
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
