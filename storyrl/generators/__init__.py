@@ -3,7 +3,9 @@
 The interface is :class:`Generator` (``storyrl.generators.base``, with the
 file formats); generators register in :data:`GENERATORS` and are created by
 name with :func:`create_generator`. Zero-shot VLM prompting and TAPM-style
-models go here, one module per generator family.
+models go here, one module per generator family. Prompting parts so far:
+``prompts`` (templates from ``configs/prompts/``), ``postprocess`` (the
+authors' cleaning) and ``sequence_image`` (their one-image sequences).
 """
 
 from __future__ import annotations
