@@ -305,8 +305,7 @@ class Config:
 def _known_options(cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
     infos = option_info(cls)
     valid = [i.name for i in infos]
-    word = getattr(cls, "_field_word", "option")
-    label = cls._label()
+    word, label = cls._field_word, cls._label()
     values: dict[str, Any] = {}
     for mapping in (data, overrides):
         for key, value in mapping.items():
@@ -328,7 +327,7 @@ def _dataclass_from_mapping(tp: type, value: Mapping[str, Any]) -> Any:
     are validated as usual; foreign dataclasses (TRL's ``GRPOConfig``...) get
     the mapping as keyword arguments and do their own checks."""
     if isinstance(tp, type) and issubclass(tp, Config):
-        return tp(**_known_options(tp, value, {}))
+        return tp.from_mapping(value)
     try:
         return tp(**value)
     except TypeError as exc:

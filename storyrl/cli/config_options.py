@@ -24,6 +24,7 @@ so building the command line imports no reward module.
 
 from __future__ import annotations
 
+import types
 import typing
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -63,7 +64,7 @@ def _scalar(tp: Any) -> tuple[Any, bool]:
     if origin in (list, tuple) and len(args) >= 1:
         inner, nested = _scalar(args[0])
         return (inner, True) if not nested else (None, False)
-    if args and origin is not typing.Literal and origin not in (list, tuple, dict):  # a union
+    if origin in (typing.Union, types.UnionType):
         if len(args) == 1:  # X | None
             return _scalar(args[0])
         scalars = {_scalar(a)[0] for a in args}

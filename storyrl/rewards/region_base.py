@@ -16,9 +16,8 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
+from storyrl.images import REGION_KINDS
 from storyrl.rewards.base import ModelConfig, Reward
-
-REGION_KINDS = ("table", "crops", "grid", "whole")
 
 
 @dataclass
