@@ -18,6 +18,10 @@ from storyrl.registry import Registry
 __all__ = ["GENERATORS", "Generations", "Generator", "GeneratorConfig", "create_generator", "register_generator"]
 
 GENERATORS: Registry[type[Generator]] = Registry("generator")
+GENERATORS.add("prompting", "storyrl.generators.prompting:PromptingGenerator",
+               "Zero-shot prompting of a vision-language model (LLaVA-NeXT, LLaVA, BLIP-2, any chat VLM).")
+GENERATORS.add("tapm", "storyrl.generators.tapm:TapmGenerator",
+               "A trained TAPM-style storyteller (visual encoder + language-model decoder), one sentence per image.")
 
 
 def register_generator(name: str | None = None, *, description: str | None = None):

@@ -33,3 +33,5 @@ TRAINERS.add("coherence", "storyrl.training.coherence:TRAINER",
              "RoViST-C: the ALBERT sentence-order model of the coherence reward.")
 TRAINERS.add("rovist_vg", "storyrl.training.rovist_vg:TRAINER",
              "RoViST-VG: the ViT/GloVe region-noun model of the rovist_vg reward.", aliases=("rovist-vg",))
+TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
+             "TAPM-style storyteller: adaptation stage (decoder frozen), then downstream cross-entropy.")
