@@ -1,0 +1,1 @@
+"""TAPM-style storytellers (placeholder; the generator follows)."""
