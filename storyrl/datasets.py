@@ -18,7 +18,41 @@ from pathlib import Path
 
 from storyrl.data import StoryDataError, StoryRecord
 
-__all__ = ["load_vist_sis", "load_vwp"]
+__all__ = ["DATA_FORMATS", "load_records", "load_vist_sis", "load_vwp"]
+
+#: What :func:`load_records` reads; ``auto`` tells them apart by content.
+DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")
+
+
+def load_records(path: str | os.PathLike, data_format: str = "auto") -> list[StoryRecord]:
+    """Stories with their images from any storyrl input: ``records`` (the
+    JSON/JSONL story sets of :func:`storyrl.data.load_stories`), ``vist-sis``
+    or ``vwp``; ``auto`` picks ``vwp`` for a .csv file, ``vist-sis`` for a
+    JSON object with an ``annotations`` list, else ``records``."""
+    from storyrl.data import load_stories
+
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data format must be one of {', '.join(DATA_FORMATS)}, got {data_format!r}")
+    path = Path(path)
+    if data_format == "auto":
+        data_format = "vwp" if path.suffix.lower() == ".csv" else "vist-sis" if _is_vist_sis(path) else "records"
+    if data_format == "vwp":
+        return load_vwp(path)
+    if data_format == "vist-sis":
+        return load_vist_sis(path)
+    return load_stories(path)
+
+
+def _is_vist_sis(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            if f.read(4096).lstrip()[:1] != b"{":
+                return False
+            f.seek(0)
+            data = json.load(f)
+    except (OSError, ValueError):
+        return False  # the records reader reports what is wrong
+    return isinstance(data, dict) and isinstance(data.get("annotations"), list)
 
 
 def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:

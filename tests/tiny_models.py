@@ -280,3 +280,99 @@ def save_random_detector(path: Path, seed: int = 0) -> Path:
     model = fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None, num_classes=91)
     torch.save(model.state_dict(), path)
     return Path(path)
+
+
+# -- vision-language models (zero-shot prompting) -------------------------------------
+
+VLM_SPECIALS = ["[PAD]", "[UNK]", "[EOS]", "<image>"]
+VLM_IMAGE_SIZE = 32  # vision towers see 32x32 pixels in 8x8 patches
+_VLM_VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "image_size": VLM_IMAGE_SIZE, "patch_size": 8}
+_VLM_TEXT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+             "max_position_embeddings": 2048}
+# "USER: <image>\n<text> ASSISTANT:" -- LLaVA 1.5's layout, with words the tiny vocabulary knows
+LLAVA_CHAT_TEMPLATE = (
+    "{% for m in messages %}USER: {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+)
+
+
+def vlm_tokenizer(texts, image_token: bool = True):
+    """A whitespace-split word-level ``PreTrainedTokenizerFast`` over the
+    words of ``texts`` (so ``[INST]``, ``[/INST]`` and ``<s>`` are plain
+    words, as in Mistral's text), ``<image>`` special (and the tokenizer's
+    ``image_token`` unless ``image_token=False``: BLIP-2's processor sets
+    its own), decoding with spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(list(texts), trainers.WordLevelTrainer(special_tokens=VLM_SPECIALS))
+    tok.decoder = decoders.WordPiece()
+    extra = {"extra_special_tokens": {"image_token": "<image>"}} if image_token else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]",
+                                   **extra)
+
+
+def _text_config(kind: str, tokenizer):
+    from transformers import LlamaConfig, MistralConfig, OPTConfig
+
+    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
+    if kind == "opt":
+        return OPTConfig(**ids, bos_token_id=tokenizer.eos_token_id, hidden_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32, max_position_embeddings=2048)
+    config_class = MistralConfig if kind == "mistral" else LlamaConfig
+    return config_class(**ids, bos_token_id=None, num_key_value_heads=1, **_VLM_TEXT)
+
+
+def save_tiny_vlm(directory: Path, family: str, texts, seed: int = 0) -> str:
+    """A random-weight vision-language model and its processor saved in
+    ``directory``, loadable with the Auto classes: ``llava_next`` (Mistral
+    decoder, like llava-v1.6-mistral), ``llava`` (LLaMA decoder, LLaVA 1.5's
+    chat template) or ``blip2`` (OPT decoder, 4 query tokens). The vocabulary
+    is the words of ``texts``. Returns the directory."""
+    import torch
+    from transformers import (
+        Blip2Config, Blip2ForConditionalGeneration, Blip2Processor, Blip2QFormerConfig, Blip2VisionConfig,
+        BlipImageProcessor, CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration,
+        LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessor, LlavaNextProcessor,
+        LlavaProcessor,
+    )
+
+    tokenizer = vlm_tokenizer([*texts, LLAVA_CHAT_TEMPLATE.replace("\n", " ")], image_token=family != "blip2")
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    size = VLM_IMAGE_SIZE
+    torch.manual_seed(seed)
+    if family == "llava_next":
+        grid = [[size, size], [size, 2 * size], [2 * size, size]]
+        config = LlavaNextConfig(vision_config=CLIPVisionConfig(**_VLM_VISION), text_config=_text_config("mistral", tokenizer),
+                                 image_token_index=image_token, image_grid_pinpoints=grid, vision_feature_layer=-1)
+        model = LlavaNextForConditionalGeneration(config)
+        images = LlavaNextImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                         image_grid_pinpoints=grid)
+        processor = LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    elif family == "llava":
+        config = LlavaConfig(vision_config=CLIPVisionConfig(**_VLM_VISION), text_config=_text_config("llama", tokenizer),
+                             image_token_index=image_token, vision_feature_layer=-1)
+        model = LlavaForConditionalGeneration(config)
+        images = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=LLAVA_CHAT_TEMPLATE)
+    elif family == "blip2":
+        config = Blip2Config(
+            vision_config=Blip2VisionConfig(**_VLM_VISION),
+            qformer_config=Blip2QFormerConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                              intermediate_size=32, encoder_hidden_size=16, vocab_size=len(tokenizer)),
+            text_config=_text_config("opt", tokenizer), num_query_tokens=4, image_token_index=image_token,
+        )
+        model = Blip2ForConditionalGeneration(config)
+        images = BlipImageProcessor(size={"height": size, "width": size})
+        processor = Blip2Processor(image_processor=images, tokenizer=tokenizer, num_query_tokens=4)
+    else:
+        raise ValueError(f"unknown tiny VLM family {family!r}")
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return str(directory)

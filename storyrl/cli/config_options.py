@@ -34,8 +34,8 @@ import click
 from storyrl.config import REQUIRED, OptionInfo, option_info
 
 __all__ = [
-    "GeneratedOptionsCommand", "click_option", "config_options", "expressible", "given", "reward_options",
-    "split_reward_options",
+    "GeneratedOptionsCommand", "click_option", "config_options", "expressible", "given", "registry_options",
+    "reward_options", "split_registry_options", "split_reward_options",
 ]
 
 _SEP = "__"  # in the parameter name of --<reward>-<option>: "<reward>__<option>"
@@ -130,51 +130,60 @@ def given(values: dict[str, Any]) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items() if v is not None and v != ()}
 
 
-def reward_options(reward_names: Iterable[str] | None = None, own: Iterable[str] = ()) -> list[click.Option]:
-    """The options of the named rewards (default: all registered), in both
-    spellings (see the module docs)."""
-    from storyrl.rewards import REWARDS
-
+def registry_options(registry, names: Iterable[str] | None = None, own: Iterable[str] = ()) -> list[click.Option]:
+    """The options of the named entries of ``registry`` (rewards, generators;
+    default: all registered), in both spellings (see the module docs)."""
     own = set(own)
     declared: dict[str, dict[str, OptionInfo]] = {}
-    for reward in reward_names or REWARDS.names():
-        for info in option_info(REWARDS.get(reward).config_class):
+    for entry in names or registry.names():
+        for info in option_info(registry.get(entry).config_class):
             if expressible(info):
-                declared.setdefault(info.name, {})[reward] = info
+                declared.setdefault(info.name, {})[entry] = info
     options, shared = [], set()
-    for name, by_reward in declared.items():
-        kinds = {(info.type, info.choices, info.path) for info in by_reward.values()}
+    for name, by_entry in declared.items():
+        kinds = {(info.type, info.choices, info.path) for info in by_entry.values()}
         if len(kinds) == 1 and name not in own:
             shared.add(name)
-            infos = list(by_reward.values())
+            infos = list(by_entry.values())
             helps = list(dict.fromkeys(info.help for info in infos))
-            text = helps[0] if len(helps) == 1 else f"Sets {name} of each reward; see --<reward>-{_flag(name)[2:]}."
+            text = helps[0] if len(helps) == 1 else f"Sets {name} of each {registry.kind}; see --<{registry.kind}>-{_flag(name)[2:]}."
             if all(info.default == infos[0].default for info in infos):
                 text = _with_default(text, infos[0].default)
-            options.append(click_option(infos[0], _flag(name), name, help=f"{text} ({', '.join(by_reward)})"))
-    for name, by_reward in declared.items():
-        for reward, info in by_reward.items():
-            flag = _flag(f"{reward}_{name}")
-            options.append(click_option(info, flag, f"{reward}{_SEP}{name}", hidden=name in shared))
+            options.append(click_option(infos[0], _flag(name), name, help=f"{text} ({', '.join(by_entry)})"))
+    for name, by_entry in declared.items():
+        for entry, info in by_entry.items():
+            flag = _flag(f"{entry}_{name}")
+            options.append(click_option(info, flag, f"{entry}{_SEP}{name}", hidden=name in shared))
     flags = [f for o in options for f in o.opts]
     clash = next((f for f in flags if flags.count(f) > 1), None)
     if clash:
-        raise RuntimeError(f"reward options: {clash} is generated twice; rename an option")
+        raise RuntimeError(f"{registry.kind} options: {clash} is generated twice; rename an option")
     return options
 
 
-def split_reward_options(values: dict[str, Any], reward_names: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """The given reward options per reward: shared spellings reach every
-    reward that declares the option, ``--<reward>-<option>`` only that reward
-    and wins over the shared one."""
-    from storyrl.rewards import REWARDS
-
+def split_registry_options(registry, values: dict[str, Any], names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The given options per entry: shared spellings reach every entry that
+    declares the option, ``--<entry>-<option>`` only that entry and wins over
+    the shared one."""
     values = given(values)
     out: dict[str, dict[str, Any]] = {}
-    for reward in reward_names:
-        declared = {info.name for info in option_info(REWARDS.get(reward).config_class)}
+    for entry in names:
+        declared = {info.name for info in option_info(registry.get(entry).config_class)}
         mine = {k: v for k, v in values.items() if _SEP not in k and k in declared}
-        prefix = f"{reward}{_SEP}"
+        prefix = f"{entry}{_SEP}"
         mine.update({k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)})
-        out[reward] = mine
+        out[entry] = mine
     return out
+
+
+def reward_options(reward_names: Iterable[str] | None = None, own: Iterable[str] = ()) -> list[click.Option]:
+    """The options of the named rewards (default: all registered)."""
+    from storyrl.rewards import REWARDS
+
+    return registry_options(REWARDS, reward_names, own)
+
+
+def split_reward_options(values: dict[str, Any], reward_names: Iterable[str]) -> dict[str, dict[str, Any]]:
+    from storyrl.rewards import REWARDS
+
+    return split_registry_options(REWARDS, values, reward_names)

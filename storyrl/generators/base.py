@@ -42,6 +42,9 @@ class GeneratorConfig(Config):
 
     batch_size: int = option(8, "Records per generation call.", min=1)
 
+    #: options that change how fast, not what is generated: a resumed run may change them
+    runtime_options: ClassVar[tuple[str, ...]] = ("batch_size",)
+
 
 @dataclass
 class Generations:
@@ -71,6 +74,11 @@ class Generator(Configurable):
 
     def _setup(self) -> None:
         """Load models; errors here are the generator's, not a record's."""
+
+    def metadata(self) -> dict[str, Any]:
+        """What a story file's sidecar records about this generator: its
+        name and options (subclasses add model revisions, prompt texts)."""
+        return {"generator": self.name, "options": self.args.to_dict()}
 
     def _generate_batch(self, records: list[StoryRecord]) -> list[str]:
         """One story per record, in order; raise to fail the batch."""

@@ -24,12 +24,13 @@ def sequence_image(images: Sequence, size: tuple[int, int] | None = None, border
     white ``border``; images of different heights are top-aligned on white."""
     from PIL import Image, ImageOps
 
+    from storyrl.images import Region, load_region
+
     if not images:
         raise ValueError("an image sequence needs at least one image")
     framed = []
     for image in images:
-        img = image if isinstance(image, Image.Image) else Image.open(image)
-        img = img.convert("RGB")
+        img = load_region(Region(image))  # RGB; an unreadable file is an ImageError naming it
         if size is not None and img.size != tuple(size):
             img = img.resize(tuple(size), Image.Resampling.BICUBIC)
         framed.append(ImageOps.expand(img, border=border, fill="white"))

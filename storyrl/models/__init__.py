@@ -8,7 +8,9 @@
 * :mod:`storyrl.models.coherence`: the RoViST-C sentence-order model
   (``coherence``);
 * :mod:`storyrl.models.rovist_vg`: the RoViST-VG model and its embedder
-  (``rovist_vg``), with the GloVe reader in :mod:`storyrl.models.glove`.
+  (``rovist_vg``), with the GloVe reader in :mod:`storyrl.models.glove`;
+* :mod:`storyrl.models.vlm`: vision-language models for zero-shot story
+  generation (``storyrl.generators.prompting``).
 
 Models load once per process: every reward asking for the same model gets the
 same instance, and with it the same embedding caches. The reward files keep
@@ -33,6 +35,7 @@ from storyrl.models.runtime import (
     resolve_precision,
     shared_model,
 )
+from storyrl.models.vlm import DEFAULT_VLM, VisionLanguageModel, load_vlm
 
 # name -> submodule, imported on first access (these submodules import torch)
 _LAZY = {
@@ -45,14 +48,17 @@ _LAZY = {
 }
 
 __all__ = [
+    "DEFAULT_VLM",
     "PRECISIONS",
     "ClipEmbedder",
     "ClipSpec",
     "DiskEmbeddingCache",
     "GloVe",
     "LruDict",
+    "VisionLanguageModel",
     "clip_embedder",
     "load_glove",
+    "load_vlm",
     "release_models",
     "resolve_device",
     "resolve_precision",

@@ -1,0 +1,210 @@
+"""Zero-shot story generation by prompting a vision-language model (d_HM
+paper §4, App. A; reference notes, "Zero-shot prompting").
+
+Settings:
+
+* ``visual``: the whole image sequence as ONE image
+  (:func:`storyrl.generators.sequence_image.sequence_image`, or the authors'
+  ready PNGs from ``sequence_image_dir``) and a ``visual`` prompt asking for
+  as many sentences as there are images; the story is the cleaned output.
+* ``prev_sentence`` / ``all_sentences`` / ``no_context``: one call per image
+  with a ``sentence`` prompt whose ``{context}`` is the sentence generated for
+  the previous image, all sentences generated so far, or empty; the story is
+  the outputs joined as the authors did (:func:`join_sentence_outputs`).
+
+A batch of stories is generated together: all visual prompts in one call,
+or, for the sentence settings, image position by position across the batch
+(the authors made one call per story and image). ``chat_format`` wraps the
+prompt: ``authors`` (``[INST] <image>\\n... [/INST]``, the d_HM script for
+LLaVA-NeXT Mistral; outputs are decoded with the prompt and cut after the
+last ``[/INST]`` as theirs were), ``template`` (the processor's chat
+template), ``plain`` (the text alone, e.g. BLIP-2) or ``auto`` (``authors``
+for LLaVA-NeXT with a Mistral decoder, else ``template`` when the processor
+has one, else ``plain``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from storyrl.config import option
+from storyrl.data import StoryRecord
+from storyrl.generators.base import Generator, GeneratorConfig
+from storyrl.generators.postprocess import clean_generation, join_sentence_outputs
+from storyrl.generators.prompts import PromptTemplate, load_prompts, mistral_inst
+from storyrl.models.runtime import PRECISIONS
+from storyrl.models.vlm import DEFAULT_VLM
+
+__all__ = ["CHAT_FORMATS", "DEFAULT_PROMPTS", "SETTINGS", "PromptingConfig", "PromptingGenerator"]
+
+SETTINGS = ("visual", "prev_sentence", "all_sentences", "no_context")
+CHAT_FORMATS = ("auto", "authors", "template", "plain")
+BACKENDS = ("transformers", "vllm")
+#: The d_HM prompts P1-P3 (``configs/prompts/dhm.yaml`` of a source checkout).
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "prompts" / "dhm.yaml"
+_SIZE = re.compile(r"^([1-9]\d*)x([1-9]\d*)$")
+
+
+@dataclass
+class PromptingConfig(GeneratorConfig):
+    model: str = option(DEFAULT_VLM, "Hub name or local directory of an image-text-to-text model.")
+    revision: str | None = option(None, "Hub revision of the model (branch, tag or commit).")
+    setting: str = option("visual", "Context: the whole sequence as one image, or one sentence per image with the "
+                          "previous sentence, all previous sentences or no text as context.", choices=SETTINGS)
+    prompt: str = option("P3", "Prompt name in the prompts file (P1, P2, P3 in the d_HM prompts).")
+    prompts_file: str | None = option(None, "Prompt templates YAML (default: configs/prompts/dhm.yaml).", path="file")
+    fill_count: bool = option(True, "Fill the sentence count in as a word; false sends the authors' unfilled 'N' "
+                              "(their published stories were made so).")
+    chat_format: str = option("auto", "How the prompt is wrapped for the model (see storyrl.generators.prompting).",
+                              choices=CHAT_FORMATS)
+    image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
+                                    path="dir")
+    sequence_image_size: str | None = option(None, "Resize each image to WIDTHxHEIGHT before building the "
+                                             "sequence image (the authors: 256x256 for VIST; VWP frames kept).")
+    sequence_image_dir: str | None = option(None, "Ready sequence images, <story_id>.png or seq_<story_id>.png "
+                                            "(the authors' PNGs), used for the visual setting.", path="dir")
+    max_new_tokens: int = option(500, "Most new tokens per generation.", min=1)
+    do_sample: bool = option(False, "Sample instead of greedy decoding.")
+    temperature: float = option(1.0, "Sampling temperature.", min=0.0)
+    top_p: float = option(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
+    top_k: int = option(50, "Top-k sampling (0: off).", min=0)
+    num_beams: int = option(1, "Beam search width (transformers backend).", min=1)
+    seed: int = option(0, "Random seed of the sampling.")
+    device: str | None = option(None, "Device (default: CUDA when available, else CPU).")
+    precision: str = option("auto", "Weights dtype: auto = fp16 on CUDA, fp32 on CPU.", choices=PRECISIONS)
+    load_in_4bit: bool = option(False, "Quantise the model to 4 bits (bitsandbytes, CUDA).")
+    backend: str = option("transformers", "Generation engine; vllm needs the vllm extra.", choices=BACKENDS)
+
+    runtime_options: ClassVar[tuple[str, ...]] = ("batch_size", "device", "image_root", "sequence_image_dir")
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if self.sequence_image_size is not None and not _SIZE.match(self.sequence_image_size):
+            problems.append(f"sequence_image_size must look like 256x256, got {self.sequence_image_size!r}")
+        return problems
+
+    @property
+    def kind(self) -> str:
+        """The kind of prompt the setting uses."""
+        return "visual" if self.setting == "visual" else "sentence"
+
+    def template(self) -> PromptTemplate:
+        path = self.prompts_file or DEFAULT_PROMPTS
+        templates = load_prompts(path)
+        try:
+            return templates[(self.kind, self.prompt)]
+        except KeyError:
+            known = sorted(name for kind, name in templates if kind == self.kind)
+            raise ValueError(f"{path}: no {self.kind} prompt named {self.prompt!r} (it has {', '.join(known)})") from None
+
+
+class PromptingGenerator(Generator):
+    """Stories from a vision-language model prompted zero-shot (module docs)."""
+
+    name = "prompting"
+    config_class: ClassVar[type[PromptingConfig]] = PromptingConfig
+
+    def __init__(self, config: PromptingConfig | None = None, /, **options: Any) -> None:
+        super().__init__(config, **options)
+        self._template = self.args.template()  # a bad prompts file fails here, before any model loads
+        self._engine = None
+
+    def _setup(self) -> None:
+        if self._engine is not None:
+            return
+        from storyrl.generators.engines import Decoding, create_engine
+
+        a = self.args
+        decoding = Decoding(a.max_new_tokens, a.do_sample, a.temperature, a.top_p, a.top_k, a.num_beams, a.seed)
+        self._engine = create_engine(a.backend, model=a.model, revision=a.revision, device=a.device,
+                                     precision=a.precision, load_in_4bit=a.load_in_4bit, decoding=decoding)
+
+    # -- prompts ----------------------------------------------------------------
+    @property
+    def chat_format(self) -> str:
+        """The resolved chat format (``auto`` decided by the loaded model)."""
+        if self.args.chat_format != "auto":
+            return self.args.chat_format
+        self._setup()
+        engine = self._engine
+        if engine.family == "llava_next" and engine.text_model_type == "mistral":
+            return "authors"
+        processor = engine.processor
+        has_template = getattr(processor, "chat_template", None) or getattr(
+            getattr(processor, "tokenizer", None), "chat_template", None)
+        return "template" if has_template else "plain"
+
+    def prompt_text(self, n_images: int | None = None, context: str = "") -> str:
+        """The template's text for one call, before chat wrapping."""
+        return self._template.render(n=n_images, context=context, fill_count=self.args.fill_count)
+
+    def wrap(self, text: str) -> str:
+        """``text`` as the model's input string, with its image placeholder."""
+        fmt = self.chat_format
+        if fmt == "authors":
+            return mistral_inst(text)
+        if fmt == "template":
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+            return self._engine.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text
+
+    def metadata(self) -> dict[str, Any]:
+        self._setup()
+        return {
+            **super().metadata(),
+            "model_commit": self._engine.commit,
+            "chat_format": self.chat_format,
+            "prompt_template": self._template.text,
+            "prompt_example": self.wrap(self.prompt_text(5 if self.args.kind == "visual" else None)),
+        }
+
+    # -- generation ---------------------------------------------------------------
+    def _generate_batch(self, records: list[StoryRecord]) -> list[str]:
+        from storyrl.images import resolve_images
+
+        sequences = [resolve_images(r.images, r.image_ids, self.args.image_root) for r in records]
+        if self.args.setting == "visual":
+            images = [self._sequence_image(r, seq) for r, seq in zip(records, sequences)]
+            prompts = [self.wrap(self.prompt_text(len(seq))) for seq in sequences]
+            return [clean_generation(t) for t in self._call(prompts, images)]
+        return self._sentence_by_sentence(sequences)
+
+    def _sentence_by_sentence(self, sequences: list[list[Any]]) -> list[str]:
+        from storyrl.images import Region, load_region
+
+        sentences: list[list[str]] = [[] for _ in sequences]
+        for position in range(max(map(len, sequences))):
+            todo = [i for i, seq in enumerate(sequences) if position < len(seq)]
+            prompts = [self.wrap(self.prompt_text(context=self._context(sentences[i]))) for i in todo]
+            images = [load_region(Region(sequences[i][position])) for i in todo]
+            for i, text in zip(todo, self._call(prompts, images)):
+                sentences[i].append(clean_generation(text))
+        return [join_sentence_outputs(" ".join(s)) for s in sentences]
+
+    def _context(self, previous: list[str]) -> str:
+        if self.args.setting == "no_context" or not previous:
+            return ""
+        return previous[-1] if self.args.setting == "prev_sentence" else " ".join(previous)
+
+    def _sequence_image(self, record: StoryRecord, sequence: list[Any]):
+        from PIL import Image
+
+        from storyrl.generators.sequence_image import sequence_image
+
+        if self.args.sequence_image_dir is not None:
+            root = Path(self.args.sequence_image_dir)
+            for name in (f"{record.story_id}.png", f"seq_{record.story_id}.png"):
+                if (root / name).is_file():
+                    return Image.open(root / name).convert("RGB")
+        size = None
+        if self.args.sequence_image_size is not None:
+            w, h = _SIZE.match(self.args.sequence_image_size).groups()
+            size = (int(w), int(h))
+        return sequence_image(sequence, size=size)
+
+    def _call(self, prompts: list[str], images: list[Any]) -> list[str]:
+        self._setup()
+        return self._engine.generate(prompts, images, decode_prompt=self.chat_format == "authors")
