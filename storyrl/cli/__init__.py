@@ -21,6 +21,7 @@ import click
 from storyrl.cli.common import CommandError
 from storyrl.cli.data import assets, regions
 from storyrl.cli.eval import dhm
+from storyrl.cli.features import features
 from storyrl.cli.generate import generate
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.train import train
@@ -85,5 +86,5 @@ def main() -> None:
     """storyrl: visual-storytelling metrics as rewards, scores and d_HM tables."""
 
 
-for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate):
+for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate, features):
     main.add_command(_command)
