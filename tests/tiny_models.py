@@ -376,3 +376,45 @@ def save_tiny_vlm(directory: Path, family: str, texts, seed: int = 0) -> str:
     model.save_pretrained(directory)
     processor.save_pretrained(directory)
     return str(directory)
+
+
+# -- TAPM: tiny GPT-2 decoder and story data (test_tapm*.py) -------------------------------
+
+TAPM_TEXTS = ["a dog ran to the park .", "the cat sat on a red mat .", "we went home and slept .",
+              "my family had a big party .", "the kids played in the snow ."]
+
+
+def tiny_gpt2(tokenizer, seed: int = 0):
+    """A random-weight ``GPT2LMHeadModel`` (2 layers, width 32) for
+    ``tokenizer`` (its vocabulary; EOS doubles as BOS, as in GPT-2), seeded."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    return GPT2LMHeadModel(config)
+
+
+def save_tiny_decoder(directory: Path, kind: str = "gpt2", seed: int = 0) -> str:
+    """A tiny random decoder (``"gpt2"`` or ``"llama"``) and its word-level
+    tokenizer over ``TAPM_TEXTS``, saved to ``directory`` (a decoder name for
+    ``storyrl train tapm``)."""
+    tokenizer = chat_tokenizer(TAPM_TEXTS)
+    model = tiny_gpt2(tokenizer, seed) if kind == "gpt2" else tiny_llama(tokenizer, seed)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def write_tapm_stories(path: Path, image_ids: list[list[str]]) -> str:
+    """JSONL story records, one per image-id list, with one ``TAPM_TEXTS``
+    sentence per image (rotating, so stories differ)."""
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for k, ids in enumerate(image_ids):
+            story = " ".join(TAPM_TEXTS[(k + j) % len(TAPM_TEXTS)] for j in range(len(ids)))
+            f.write(json.dumps({"story_id": f"s{k}", "story": story, "image_ids": ids}) + "\n")
+    return str(path)
