@@ -85,3 +85,7 @@ class TapmConfig(PretrainedConfig):
         token, one per neighbour direction and its own tokens."""
         per_type = [1 + len(self.neighbours) + self.feature_tokens[k] for k in self.feature_dims]
         return 1 + sum(n + 1 for n in per_type)
+
+
+# Lets AutoConfig (and AutoTokenizer, which reads config.json) recognise TAPM directories.
+AutoConfig.register(TapmConfig.model_type, TapmConfig, exist_ok=True)
