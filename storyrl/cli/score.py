@@ -126,23 +126,18 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
 
 
 def _score_batches(rewards, todo, batch_size, quiet, writer, explain_file, explainer) -> None:
-    from tqdm import tqdm
+    from storyrl.eval.scoring import score_batches
 
-    with tqdm(total=len(todo), unit="story", disable=quiet, file=sys.stderr) as bar:
-        for start in range(0, len(todo), batch_size):
-            batch = todo[start : start + batch_size]
-            context = _context(batch)
-            texts = [r.story for r in batch]
-            scores = {r.name: r.score(texts, **context) for r in rewards}
-            if explain_file is not None:
-                # Before the score rows: a story in OUT always has its explain
-                # line (resume drops explain lines of stories not in OUT).
-                lines = explainer.explain(texts, **context)
-                explain_file.write("".join(
-                    json.dumps({"story_id": record.story_id, **details}) + "\n" for record, details in zip(batch, lines)
-                ))
-            writer.write([r.story_id for r in batch], scores)
-            bar.update(len(batch))
+    def explain(batch, texts, context) -> None:
+        # Before the score rows: a story in OUT always has its explain
+        # line (resume drops explain lines of stories not in OUT).
+        lines = explainer.explain(texts, **context)
+        explain_file.write("".join(
+            json.dumps({"story_id": record.story_id, **details}) + "\n" for record, details in zip(batch, lines)
+        ))
+
+    score_batches(rewards, todo, writer, batch_size=batch_size, progress=not quiet,
+                  before_write=explain if explain_file is not None else None)
 
 
 def _open_explain(path: Path, done: set[str], resume: bool):
@@ -176,12 +171,9 @@ def _open_explain(path: Path, done: set[str], resume: bool):
 
 def _context(batch) -> dict:
     """Per-story context columns that any record of the batch carries."""
-    context = {}
-    for key in ("images", "image_ids", "reference", "noun_phrases"):
-        values = [getattr(r, key) for r in batch]
-        if any(v is not None for v in values):
-            context[key] = values
-    return context
+    from storyrl.eval.scoring import score_context
+
+    return score_context(batch)
 
 
 def _print_summary(table, columns) -> dict[str, int]:
