@@ -71,6 +71,10 @@ def generate(model, generator_name, data, data_format, out, limit, resume, overw
     if not records:
         _fail(f"{data}: no stories")
     records = records[:limit] if limit else records
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the weight-loading bars too
     try:
         run = generate_to_file(generator, records, out, resume=resume, overwrite=overwrite, progress=not quiet,
                                inputs={"data": str(data), "limit": limit})
