@@ -119,19 +119,37 @@ def test_neighbour_pooling_matches_a_hand_computation():
 def test_generate_with_kv_cache_equals_greedy_without_cache(data, threads):
     model, _ = _model(data, seed=3)
     model.eval()
-    model.config.eos_token_id = -1  # never stop: compare all steps
     feats, mask = _batch(data, STORY_IDS[:2])
-    got = model.generate_sentences(feats, mask, max_new_tokens=5)
     prefix, _, _ = model.encode(feats, mask)
     flat = prefix[mask]
-    ids, _ = model.prompt(flat)
+    ids, attention = model.prompt(flat)
     with torch.no_grad():
-        for _ in range(5):
-            logits = model(input_ids=ids, visual_prefix=flat, use_cache=False).logits
-            ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    expected = ids[:, -5:].tolist()
-    assert [s for story in got for s in story] == expected
+        out = model.generate(input_ids=ids, attention_mask=attention, visual_prefix=flat, max_new_tokens=5,
+                             min_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=model.config.pad_token_id)
+        # Without cache, on the tokens generate chose (min_new_tokens may veto EOS):
+        # the same logits at every step, so the prefix is used on the first step and
+        # kept in the cache afterwards.
+        start = ids.shape[1]
+        for step, cached in enumerate(out.logits):
+            full = model(input_ids=out.sequences[:, : start + step], visual_prefix=flat, use_cache=False).logits
+            assert torch.allclose(cached, full[:, -1], atol=1e-4), step
+    got = model.generate_sentences(feats, mask, max_new_tokens=5)
     assert len(got[0]) == len(STORY_IDS[0]) and len(got[1]) == len(STORY_IDS[1])  # one sentence per image
+
+
+def test_stages_choose_the_trainable_parameters(data):
+    model, _ = _model(data)
+    model.set_stage("adaptation")
+    assert not any(p.requires_grad for p in model.decoder.parameters())
+    assert all(p.requires_grad for p in model.visual.parameters())
+    model.set_stage("downstream")
+    assert all(p.requires_grad for p in model.decoder.parameters())
+    lora, _ = _model(data, lora={"target_modules": ["c_attn"]})  # GPT-2's fused attention projection
+    lora.set_stage("downstream")
+    trainable = [n for n, p in lora.decoder.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert all(p.requires_grad for p in lora.visual.parameters())
 
 
 def test_four_bit_without_bitsandbytes_is_a_clear_error(data):
@@ -180,6 +198,11 @@ def test_save_and_reload_give_identical_generations(trained, data, tmp_path):
     reloaded = TapmModel.from_pretrained(tmp_path / "m")
     assert json.loads((tmp_path / "m" / "config.json").read_text())["model_type"] == "storyrl_tapm"
     assert reloaded.generate_sentences(feats, mask, max_new_tokens=8) == before
+    prefix = model.encode(feats, mask)[0][mask]
+    ids, _ = model.prompt(prefix)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, visual_prefix=prefix).logits,
+                           reloaded(input_ids=ids, visual_prefix=reloaded.encode(feats, mask)[0][mask]).logits)
     best = TapmModel.from_pretrained(trained["out"] / "best")  # what training saved loads too
     assert best.generate_sentences(feats, mask, max_new_tokens=4)
 
