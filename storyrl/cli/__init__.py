@@ -24,6 +24,7 @@ from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
+from storyrl.cli.sweep import sweep
 from storyrl.cli.train import train
 
 __all__ = ["CommandError", "describe_error", "main"]
@@ -86,5 +87,5 @@ def main() -> None:
     """storyrl: visual-storytelling metrics as rewards, scores and d_HM tables."""
 
 
-for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate, features):
+for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate, features, sweep):
     main.add_command(_command)
