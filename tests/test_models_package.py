@@ -38,7 +38,7 @@ def test_import_loads_no_heavy_library(module):
 
 def test_package_names_are_the_submodules_objects():
     import storyrl.models as models
-    from storyrl.models import caches, clip, coherence, glove, rovist_vg, runtime
+    from storyrl.models import caches, clip, coherence, glove, rovist_vg, runtime, vlm
 
     homes = {
         "PRECISIONS": runtime, "release_models": runtime,
@@ -48,6 +48,7 @@ def test_package_names_are_the_submodules_objects():
         "GloVe": glove, "load_glove": glove, "shared_glove": glove,
         "CoherenceModel": coherence, "encode_pairs": coherence, "load_coherence_model": coherence,
         "RovistVGEmbedder": rovist_vg, "RovistVGModel": rovist_vg, "rovist_vg_embedder": rovist_vg,
+        "DEFAULT_VLM": vlm, "VisionLanguageModel": vlm, "load_vlm": vlm,
     }
     assert set(models.__all__) == set(homes)
     for name, home in homes.items():
