@@ -35,6 +35,17 @@ SETTINGS = ("visual", "prev_sentence")
 PROMPTS = ("P1", "P2")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models: torch's thread pool costs more than it saves (conftest's one_thread, for the module)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("sweep_assets")
@@ -99,8 +110,23 @@ class Calls:
 
 @pytest.fixture(scope="module")
 def swept(assets, tmp_path_factory):
+    """The sweep, with a log of model loads and releases."""
+    import storyrl.models
+    import storyrl.models.coherence
+    import storyrl.models.vlm
+
     out = tmp_path_factory.mktemp("sweep") / "out"
-    return out, _run(assets, out)
+    events = []
+    with pytest.MonkeyPatch.context() as patch:
+        for module, name, event in ((storyrl.models.vlm, "_load", "vlm"), (storyrl.models, "release_models", "release"),
+                                    (storyrl.models.coherence, "load_coherence_model", "coherence")):
+            def logged(*args, _original=getattr(module, name), _event=event, **kwargs):
+                events.append(f"{_event} {Path(args[0]).name}" if args else _event)
+                return _original(*args, **kwargs)
+
+            patch.setattr(module, name, logged)
+        result = _run(assets, out)
+    return out, result, events
 
 
 def _scores(path: Path) -> dict[str, dict[str, float]]:
@@ -124,7 +150,7 @@ def _same(a: float, b: float) -> bool:
 
 
 def test_sweep_table_equals_d_hm_recomputed_from_the_score_files(swept):
-    out, result = swept
+    out, result, _ = swept
     cells = {(c.model, c.setting, c.prompt): c for c in result.cells}
     assert list(cells) == [(m, s, p) for m in MODELS for s in SETTINGS for p in PROMPTS]
     human = _scores(out / "human_scores.csv")
@@ -157,8 +183,12 @@ def test_sweep_table_equals_d_hm_recomputed_from_the_score_files(swept):
         assert mean.failures == len(PROMPTS)
 
 
+def test_each_model_loads_once_and_is_released_before_the_next(swept):
+    assert swept[2] == ["vlm llava_next", "release", "vlm blip2", "release", "coherence coherence"]
+
+
 def test_sweep_writes_csv_markdown_and_plot(swept):
-    out, result = swept
+    out, result, _ = swept
     with (out / "dhm.csv").open(newline="") as fh:
         rows = list(csv.DictReader(fh))
     assert len(rows) == len(result.cells) + len(result.means)
@@ -180,11 +210,14 @@ def test_sweep_writes_csv_markdown_and_plot(swept):
 def test_rerun_redoes_nothing_and_an_interrupted_cell_resumes(assets, swept, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(swept[0], out)
-    before = {p: p.stat().st_mtime_ns for p in (out / "cells").rglob("*") if p.is_file()}
+    def stamps():
+        return {p: p.stat().st_mtime_ns for p in [*(out / "cells").rglob("*"), out / "human_scores.csv"] if p.is_file()}
+
+    before = stamps()
     calls = Calls(monkeypatch)
     again = _run(assets, out)
     assert calls.ids == []
-    assert {p: p.stat().st_mtime_ns for p in (out / "cells").rglob("*") if p.is_file()} == before
+    assert stamps() == before
     assert [c.d_hm for c in again.cells] == pytest.approx([c.d_hm for c in swept[1].cells], nan_ok=True)
 
     # A fresh one-cell sweep killed during generation (after the first batch
