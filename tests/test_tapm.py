@@ -225,6 +225,21 @@ def test_tapm_generator_writes_a_story_per_record(trained, data, tmp_path):
     out.save(tmp_path / "stories.json")
     assert json.loads((tmp_path / "stories.json").read_text()) == out.stories
 
+    # storyrl generate recognises a TAPM directory and runs this generator.
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    cli_out = tmp_path / "cli.json"
+    args = ["generate", "--model", str(trained["out"] / "best"), "--features", str(data["features"]),
+            "--data", str(data["stories"]), "--out", str(cli_out), "--max-new-tokens", "6", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(cli_out.read_text()) == out.stories
+    assert json.loads((tmp_path / "cli.meta.json").read_text())["generator"] == "tapm"
+    result = CliRunner().invoke(main, [*args[:-3], "--out", str(tmp_path / "x.json"), "--setting", "visual"])
+    assert result.exit_code != 0 and "--setting does not apply to the tapm generator" in result.output
+
 
 @pytest.mark.slow
 def test_lora_trains_only_adapters_and_encoder(data, tmp_path, threads):
