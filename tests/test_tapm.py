@@ -60,7 +60,8 @@ def _config(data, out, **options):
     from storyrl.training.tapm import TapmTrainConfig
 
     values = dict(output_dir=str(out), stories=[data["stories"]], features=data["features"], decoder=data["decoder"],
-                  adaptation_epochs=2, epochs=4, batch_size=2, lr=3e-3, val_fraction=0.3, dropout=0.0)
+                  adaptation_epochs=2, epochs=4, batch_size=2, lr=3e-3, val_fraction=0.3, dropout=0.0,
+                  warmup_steps=2)  # a short warm-up: the few steps here still train
     values.update(options)
     return TapmTrainConfig(**values)
 

@@ -420,3 +420,30 @@ def test_from_yaml_wrong_list_items_and_missing_required(tmp_path):
         TrainConfig.from_yaml(path)
     with pytest.raises(ValueError, match="mixed_precision"):
         TrainConfig.from_yaml(write(tmp_path, "output_dir: o\nmixed_precision: fp8\n"))
+
+
+def test_warmup_scales_each_step_and_keeps_the_scheduled_rate():
+    """Hand computation with plain SGD (gradient 1): step k of a 4-step
+    warm-up moves the weight by lr * (k + 1) / 4, then by lr."""
+    import torch
+
+    from storyrl.training.loop import _step_with_warmup
+
+    weight = torch.nn.Parameter(torch.zeros(()))
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    moves = []
+    for step in range(6):
+        weight.grad = torch.ones(())
+        before = float(weight)
+        _step_with_warmup(optimizer, step, warmup_steps=4)
+        moves.append(before - float(weight))
+        assert optimizer.param_groups[0]["lr"] == 0.5  # the schedule's rate is left as it was
+    assert moves == pytest.approx([0.125, 0.25, 0.375, 0.5, 0.5, 0.5])
+
+
+def test_adamw_is_chosen_by_the_config():
+    from storyrl.training.config import TrainConfig
+
+    assert TrainConfig(output_dir="x").optimizer == "adam"  # RoViST's default stays
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainConfig(output_dir="x", optimizer="sgd")

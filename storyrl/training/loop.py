@@ -258,7 +258,8 @@ def fit(
         val_shard, batch_size=config.batch_size, shuffle=False, collate_fn=collate, num_workers=config.num_workers
     )
 
-    optimizer = torch.optim.Adam(
+    optimizer_class = torch.optim.AdamW if config.optimizer == "adamw" else torch.optim.Adam
+    optimizer = optimizer_class(
         [p for p in model.parameters() if p.requires_grad], lr=config.lr, weight_decay=config.weight_decay
     )
     # Not passed to prepare(): accelerate's scheduler wrapper steps once per
@@ -349,7 +350,7 @@ def fit(
             with accelerator.autocast():
                 loss, metrics = step_fn(model, batch)
             accelerator.backward(loss)
-            optimizer.step()
+            _step_with_warmup(optimizer, global_step, config.warmup_steps)
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
             train_totals.add(loss, n, metrics)
@@ -470,6 +471,22 @@ def fit(
         stopped_early=stopped_early,
         history=history,
     )
+
+
+def _step_with_warmup(optimizer, step: int, warmup_steps: int) -> None:
+    """One optimizer step, its learning rate scaled by (step + 1) / warmup_steps
+    during the warm-up: on top of the per-epoch schedule, which keeps the
+    unscaled rate (so resume needs no extra state)."""
+    if step >= warmup_steps:
+        optimizer.step()
+        return
+    scale = (step + 1) / warmup_steps
+    scheduled = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] *= scale
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, scheduled):
+        group["lr"] = lr
 
 
 def _make_accelerator(config: TrainConfig):

@@ -44,8 +44,8 @@ ADAPTATION_DONE = "done.json"
 @dataclass(kw_only=True)
 class TapmTrainConfig(TrainConfig):
     """:class:`TrainConfig` plus TAPM's data, model and stages. ``epochs`` are
-    the downstream epochs. The optimiser is fit's Adam with a per-epoch
-    exponential lr decay (TAPM used AdamW with 4,000 warm-up steps)."""
+    the downstream epochs. AdamW with 4,000 linear warm-up steps, as TAPM
+    (the warm-up restarts in each stage)."""
 
     stories: list[str] = option(help="Story files: VIST story-in-sequence JSON or JSONL records with image ids.",
                                 path="file")
@@ -69,8 +69,10 @@ class TapmTrainConfig(TrainConfig):
     # TAPM's settings where they differ from TrainConfig's.
     epochs: int = option(27, "Downstream epochs (TAPM: 30 in total with 3 of adaptation).", min=1)
     batch_size: int = option(8, "Stories per optimizer step.", min=1)
-    lr: float = option(5e-5, "Adam learning rate.")
-    weight_decay: float = option(0.01, "Adam weight decay.")
+    lr: float = option(5e-5, "AdamW learning rate.")
+    weight_decay: float = option(0.01, "AdamW weight decay.")
+    optimizer: str = option("adamw", "Optimizer (TAPM: adamw).", choices=("adam", "adamw"))
+    warmup_steps: int = option(4000, "Linear warm-up steps of each stage (TAPM: 4,000).", min=0)
     lr_decay: float = option(1.0, "ExponentialLR gamma per epoch (1: constant).")
 
     def _problems(self) -> list[str]:

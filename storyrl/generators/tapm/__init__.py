@@ -34,9 +34,8 @@ visual encoder rather than new vocabulary entries (the decoder's vocabulary
 stays untouched, which a frozen or 4-bit decoder needs); dropout (0.5) is on
 the visual prefix rather than on the decoder's output; box features are the
 image backbone's features of region crops (zero-padded to ``max_boxes``, not
-masked) rather than Faster R-CNN class scores; the optimiser is storyrl's
-``fit`` (Adam, per-epoch exponential decay) rather than AdamW with 4,000
-warm-up steps; stories shorter than the longest in a batch are masked in the
+masked) rather than Faster R-CNN class scores; the 4,000 AdamW warm-up
+steps restart in each of the two stages (two ``fit`` runs); stories shorter than the longest in a batch are masked in the
 neighbour pooling (the authors roll over a fixed group).
 """
 
