@@ -359,3 +359,34 @@ def test_cli_prints_the_table_and_fails_without_any_d_hm(assets, swept, tmp_path
     path = _write(tmp_path / "bad.yaml", _config(assets, out, settings=["nowhere"]))
     result = CliRunner().invoke(main, ["sweep", "--config", str(path), "--quiet"])
     assert result.exit_code == 1 and result.output.startswith(f"Error: {path}: ") and "Traceback" not in result.output
+
+
+def test_cells_per_model_settings_and_generators_without_settings(tmp_path):
+    from storyrl.eval.sweep import SweepConfig, plan_cells
+
+    tapm = tmp_path / "tapm"
+    tapm.mkdir()
+    config = SweepConfig(
+        data="d.jsonl", output_dir=str(tmp_path / "out"), image_root=str(tmp_path), settings=["visual", "no_context"],
+        prompts=["P1", "P3"], generation={"max_new_tokens": 500, "sequence_image_size": "8x8"},
+        rewards={"repetition": {}},
+        models=[{"name": "a", "options": {"model": "m"}, "settings": ["prev_sentence"]},
+                {"name": "t", "generator": "tapm", "options": {"model": str(tapm), "max_new_tokens": 30}}])
+    cells = plan_cells(config)
+    assert [c.label for c in cells] == ["a/prev_sentence/P1", "a/prev_sentence/P3", "t/-/-"]
+    assert cells[0].options == {"max_new_tokens": 500, "sequence_image_size": "8x8", "image_root": str(tmp_path),
+                                "model": "m", "setting": "prev_sentence", "prompt": "P1"}
+    # shared options the generator does not declare are left out; the model's own win
+    assert cells[2].options == {"max_new_tokens": 30, "image_root": str(tmp_path), "model": str(tapm)}
+    assert cells[2].directory == tmp_path / "out" / "cells" / "t" / "-" / "-"
+
+
+@pytest.mark.parametrize("name, cells", [("dhm_vist", 36), ("dhm_vwp", 3)])
+def test_shipped_sweep_configs_load(monkeypatch, name, cells):
+    from storyrl.eval.sweep import SweepConfig, plan_cells
+
+    monkeypatch.chdir(Path(REPETITION).parents[2])  # reward config paths are relative to the checkout
+    config = SweepConfig.from_yaml(f"configs/sweeps/{name}.yaml")
+    planned = plan_cells(config)
+    assert len(planned) == cells and planned[0].options["max_new_tokens"] == 500
+    assert planned[0].options["model"] == "llava-hf/llava-v1.6-mistral-7b-hf"
