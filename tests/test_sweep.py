@@ -390,3 +390,28 @@ def test_shipped_sweep_configs_load(monkeypatch, name, cells):
     planned = plan_cells(config)
     assert len(planned) == cells and planned[0].options["max_new_tokens"] == 500
     assert planned[0].options["model"] == "llava-hf/llava-v1.6-mistral-7b-hf"
+
+
+def test_two_processes_shard_the_stories_and_merge_them(assets, swept, tmp_path):
+    """Two CPU processes under torch's launcher (what accelerate launch runs):
+    the merged cell equals the single-process one."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    config = _config(assets, out, models=_config(assets, out)["models"][:1], settings=["prev_sentence"],
+                     prompts=["P2"], rewards={"repetition": REPETITION})
+    path = _write(tmp_path / "two.yaml", config)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "storyrl", "sweep", "--config", str(path), "--quiet"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("## d_HM per cell") == 1  # only the main process reports
+    cell = out / "cells" / "llava_next" / "prev_sentence" / "P2"
+    single = swept[0] / "cells" / "llava_next" / "prev_sentence" / "P2"
+    assert sorted(p.name for p in cell.iterdir()) == ["scores.csv", "stories.json", "stories.meta.json"]
+    assert (cell / "stories.json").read_text() == (single / "stories.json").read_text()
+    meta = json.loads((cell / "stories.meta.json").read_text())
+    assert meta["shards"] == 2 and meta["complete"] is True and list(meta["failures"]) == ["s3"]

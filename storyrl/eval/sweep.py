@@ -263,11 +263,18 @@ class _Processes:
 
 def _processes() -> _Processes:
     """This process's place under ``accelerate launch`` (one process: no accelerate)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
         return _Processes()
+    import torch
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
-    state = PartialState()
+    # Without CUDA (or under accelerate launch --cpu) accelerate needs cpu=True to see the processes.
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    if state.num_processes != world:  # each process would write every cell: refuse
+        raise ValueError(f"WORLD_SIZE is {world} but accelerate sees {state.num_processes} process(es); "
+                         "launch with accelerate launch")
     return _Processes(state.process_index, state.num_processes, state.wait_for_everyone, str(state.device))
 
 
