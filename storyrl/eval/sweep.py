@@ -37,13 +37,14 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from storyrl.config import Config, option
 from storyrl.data import ScoreTable, StoryRecord
+from storyrl.eval.sweep_shards import Processes, merge_shards, processes, shard_path
 
 __all__ = ["Cell", "CellResult", "SweepConfig", "SweepModel", "SweepResult", "merge_shards", "plan_cells",
            "run_sweep", "shard_path"]
@@ -246,87 +247,6 @@ def _generator_config(cell: Cell) -> Config:
     return config
 
 
-# -- processes --------------------------------------------------------------------
-
-
-@dataclass
-class _Processes:
-    rank: int = 0
-    world: int = 1
-    wait: Callable[[], None] = lambda: None
-    device: str | None = None
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def _processes() -> _Processes:
-    """This process's place under ``accelerate launch`` (one process: no accelerate)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Processes()
-    import torch
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    # Without CUDA (or under accelerate launch --cpu) accelerate needs cpu=True to see the processes.
-    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    if state.num_processes != world:  # each process would write every cell: refuse
-        raise ValueError(f"WORLD_SIZE is {world} but accelerate sees {state.num_processes} process(es); "
-                         "launch with accelerate launch")
-    return _Processes(state.process_index, state.num_processes, state.wait_for_everyone, str(state.device))
-
-
-def shard_path(out: str | os.PathLike, rank: int, world: int) -> Path:
-    """``stories.json`` → ``stories.rank<rank>-of-<world>.json``."""
-    out = Path(out)
-    return out.with_name(f"{out.stem}.rank{rank}-of-{world}{out.suffix}")
-
-
-def merge_shards(out: str | os.PathLike, shards: Sequence[str | os.PathLike], records: Sequence[StoryRecord]) -> dict:
-    """Merge finished per-process story files (and sidecars) into ``out``
-    and its sidecar, stories in record order, then remove the shards.
-    Every record must be in exactly one shard, as a story or a failure.
-    Returns the merged sidecar."""
-    from storyrl.generators.runs import sidecar_path
-    from storyrl.output_files import replace_file
-
-    stories: dict[str, str] = {}
-    failures: dict[str, str] = {}
-    metas = []
-    for shard in map(Path, shards):
-        try:
-            meta = json.loads(sidecar_path(shard).read_text(encoding="utf-8"))
-            part = json.loads(shard.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"{shard}: cannot read the shard or its sidecar: {exc}") from None
-        if not meta.get("complete"):
-            raise ValueError(f"{shard}: shard is not complete; run the sweep again to finish it")
-        for sid in (*part, *meta.get("failures", {})):
-            if sid in stories or sid in failures:
-                raise ValueError(f"{shard}: story {sid!r} is also in another shard")
-        stories.update(part)
-        failures.update(meta.get("failures", {}))
-        metas.append(meta)
-    ids = [r.story_id for r in records]
-    missing = [sid for sid in ids if sid not in stories and sid not in failures]
-    if missing:
-        raise ValueError(f"{out}: the shards miss story {missing[0]!r} ({len(missing)} missing)")
-    merged = {sid: stories[sid] for sid in ids if sid in stories}
-    failed = {sid: failures[sid] for sid in ids if sid in failures}
-    meta = {**metas[0], "complete": True, "shards": len(metas),
-            "counts": {"records": len(ids), "stories": len(merged), "failures": len(failed)}, "failures": failed}
-    # Stories first, then the sidecar that says "complete": a kill between
-    # the two leaves an incomplete cell, which the next run merges again.
-    replace_file(out, json.dumps(merged, indent=1, ensure_ascii=False) + "\n", overwrite=True)
-    replace_file(sidecar_path(out), json.dumps(meta, indent=1, ensure_ascii=False) + "\n", overwrite=True)
-    for shard in map(Path, shards):
-        shard.unlink(missing_ok=True)
-        sidecar_path(shard).unlink(missing_ok=True)
-    return meta
-
-
 def _sidecar(cell: Cell) -> dict | None:
     from storyrl.generators.runs import sidecar_path
 
@@ -353,7 +273,7 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
     return all(sid in stories or sid in meta.get("failures", {}) for sid in ids)
 
 
-def _generate_cells(cells: list[Cell], records: list[StoryRecord], procs: _Processes, progress: bool,
+def _generate_cells(cells: list[Cell], records: list[StoryRecord], procs: Processes, progress: bool,
                     inputs: dict) -> None:
     from storyrl.generators import create_generator
     from storyrl.generators.runs import generate_to_file
@@ -508,7 +428,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
     rewards = _make_rewards(config, source)  # a bad reward config fails before any generation
     metrics = [m for m in DHM_DIMENSIONS if m in config.rewards]
     out = Path(config.output_dir)
-    procs = _processes()
+    procs = processes()
     _generate_cells(cells, records, procs, progress, {"data": str(config.data), "limit": config.limit,
                                                       "sweep": source})
     if not procs.main:
