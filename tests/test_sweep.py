@@ -240,6 +240,20 @@ def test_rerun_redoes_nothing_and_an_interrupted_cell_resumes(assets, swept, tmp
     assert [c.d_hm for c in resumed.cells] == pytest.approx(expected, nan_ok=True)
 
 
+def test_a_finished_cell_made_with_other_options_is_an_error_not_reused(assets, swept, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(swept[0], out)
+    calls = Calls(monkeypatch)
+    generation = {**_config(assets, out)["generation"], "max_new_tokens": 13}
+    cell = out / "cells" / "llava_next" / "visual" / "P1"
+    with pytest.raises(ValueError, match=f"^{cell}/stories.meta.json: the stories were generated with max_new_tokens=12, "
+                                         f"this run has max_new_tokens=13; use another output_dir, or delete {cell}"):
+        _run(assets, out, generation=generation)
+    assert calls.ids == []
+    _run(assets, out, generation={**generation, "max_new_tokens": 12, "batch_size": 3})  # batch size: runtime only
+    assert calls.ids == []
+
+
 def test_scores_of_an_interrupted_cell_are_resumed(assets, swept, tmp_path, monkeypatch):
     out = tmp_path / "out"
     shutil.copytree(swept[0], out)

@@ -268,7 +268,11 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
         return False
     cls = GENERATORS.get(cell.generator)
     now = {"generator": cls.name or cell.generator, "options": _generator_config(cell).to_dict()}
-    _check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()))
+    try:
+        _check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()))
+    except ValueError as exc:
+        reason = str(exc).split("; use another output file")[0]
+        raise ValueError(f"{reason}; use another output_dir, or delete {cell.directory} to redo the cell") from None
     stories = json.loads(cell.stories.read_text(encoding="utf-8"))
     return all(sid in stories or sid in meta.get("failures", {}) for sid in ids)
 
