@@ -29,8 +29,8 @@ class _TrainerGroup(click.Group):
 
 @click.group(cls=_TrainerGroup)
 def train() -> None:
-    """Train the learned metrics (RoViST-C coherence, RoViST-VG). Multi-GPU:
-    run under `accelerate launch -m storyrl.cli train ...`."""
+    """Train the learned metrics (RoViST-C coherence, RoViST-VG) and TAPM-style
+    storytellers. Multi-GPU: run under `accelerate launch -m storyrl.cli train ...`."""
 
 
 def _train_command(name: str, description: str) -> click.Command:

@@ -1,5 +1,5 @@
-"""Training: the learned metrics' models today, RL fine-tuning of story
-generators next (:mod:`storyrl.training.rl`).
+"""Training: the learned metrics' models and TAPM-style storytellers today,
+RL fine-tuning of story generators next (:mod:`storyrl.training.rl`).
 
 Every trainer is a :class:`Trainer` -- a :class:`~storyrl.training.config.TrainConfig`
 subclass and a ``train(config, resume=False, progress=True)`` function --
