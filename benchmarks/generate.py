@@ -378,7 +378,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.memory_estimate:
         return memory_estimate(args)
-    import numpy as np  # noqa: F401
     import torch
     import transformers
 

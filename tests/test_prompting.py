@@ -18,7 +18,7 @@ from tiny_models import save_tiny_vlm, write_images
 
 from storyrl.data import StoryRecord
 from storyrl.generators import create_generator
-from storyrl.generators.postprocess import clean_generation, join_sentence_outputs
+from storyrl.generators.postprocess import join_sentence_outputs
 from storyrl.generators.prompting import SETTINGS
 from storyrl.generators.runs import generate_to_file, sidecar_path
 

@@ -5,7 +5,6 @@ random-weight decoders and timm test backbones; images made here."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
