@@ -18,7 +18,8 @@ from pathlib import Path
 
 from storyrl.data import StoryDataError, StoryRecord
 
-__all__ = ["DATA_FORMATS", "load_records", "load_vist_sis", "load_vwp"]
+__all__ = ["DATA_FORMATS", "is_vist_sis", "load_records", "load_vist_sis", "load_vwp", "read_vist_sis",
+           "vist_sis_records"]
 
 #: What :func:`load_records` reads; ``auto`` tells them apart by content.
 DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")
@@ -35,7 +36,7 @@ def load_records(path: str | os.PathLike, data_format: str = "auto") -> list[Sto
         raise ValueError(f"data format must be one of {', '.join(DATA_FORMATS)}, got {data_format!r}")
     path = Path(path)
     if data_format == "auto":
-        data_format = "vwp" if path.suffix.lower() == ".csv" else "vist-sis" if _is_vist_sis(path) else "records"
+        data_format = "vwp" if path.suffix.lower() == ".csv" else "vist-sis" if is_vist_sis(path) else "records"
     if data_format == "vwp":
         return load_vwp(path)
     if data_format == "vist-sis":
@@ -43,7 +44,10 @@ def load_records(path: str | os.PathLike, data_format: str = "auto") -> list[Sto
     return load_stories(path)
 
 
-def _is_vist_sis(path: Path) -> bool:
+def is_vist_sis(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a JSON object with an ``annotations`` list (False
+    when unreadable: the reader then says what is wrong)."""
+    path = Path(path)
     try:
         with path.open("rb") as f:
             if f.read(4096).lstrip()[:1] != b"{":
@@ -59,6 +63,12 @@ def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:
     """VIST story-in-sequence annotations (``test.story-in-sequence.json``):
     one record per story id with its 5 image ids in story order and the human
     story (the storylets' ``text`` joined by spaces, as in the d_HM files)."""
+    return vist_sis_records(read_vist_sis(path))
+
+
+def read_vist_sis(path: str | os.PathLike) -> dict[str, list[dict]]:
+    """The storylets of a VIST story-in-sequence file by story id, in photo
+    order, validated (for callers that need each image's own text)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -76,20 +86,24 @@ def load_vist_sis(path: str | os.PathLike) -> list[StoryRecord]:
                 if key not in item:
                     raise StoryDataError(path, f"missing field '{key}'", f"annotations[{k}]")
             storylets[str(item["story_id"])].append(item)
-    records = []
     for story_id, items in storylets.items():
         items.sort(key=lambda it: int(it["worker_arranged_photo_order"]))
         orders = [int(it["worker_arranged_photo_order"]) for it in items]
         if orders != list(range(len(items))):
             raise StoryDataError(path, f"photo orders {orders} are not 0..{len(items) - 1}", repr(story_id))
-        records.append(
-            StoryRecord(
-                story_id,
-                " ".join(str(it["text"]).strip() for it in items),
-                image_ids=[str(it["photo_flickr_id"]) for it in items],
-            )
+    return dict(storylets)
+
+
+def vist_sis_records(storylets: dict[str, list[dict]]) -> list[StoryRecord]:
+    """The records of :func:`read_vist_sis`'s storylets (see :func:`load_vist_sis`)."""
+    return [
+        StoryRecord(
+            story_id,
+            " ".join(str(it["text"]).strip() for it in items),
+            image_ids=[str(it["photo_flickr_id"]) for it in items],
         )
-    return records
+        for story_id, items in storylets.items()
+    ]
 
 
 def load_vwp(path: str | os.PathLike, text_column: str = "story") -> list[StoryRecord]:

@@ -319,3 +319,21 @@ def test_features_then_train_through_the_cli(data, tmp_path, threads):
     assert _summary(result.output)["epochs_run"] == 2
     history = (tmp_path / "run" / "adaptation" / "history.jsonl").read_text().splitlines()
     assert len(history) == 1  # the finished adaptation stage is not run again
+
+
+def test_vist_examples_keep_each_images_own_storylet(tmp_path):
+    """A VIST story-in-sequence file gives one example per story: image keys
+    and each image's own text in photo order (not the joined story split
+    again), as the storylets were written."""
+    from storyrl.generators.tapm.data import load_examples
+
+    storylets = [("s1", 1, "p2", "Rain."), ("s1", 0, "p1", "We went out. It was late."),
+                 ("s2", 0, "p3", "A dog."), ("s2", 1, "p4", "A cat.")]
+    annotations = [[{"story_id": sid, "worker_arranged_photo_order": order, "photo_flickr_id": photo, "text": text}]
+                   for sid, order, photo, text in storylets]
+    path = tmp_path / "train.story-in-sequence.json"
+    path.write_text(json.dumps({"annotations": annotations}))
+    examples = load_examples([str(path)])
+    assert [(e.story_id, e.sentences) for e in examples] == [
+        ("s1", ["We went out. It was late.", "Rain."]), ("s2", ["A dog.", "A cat."])]
+    assert [e.keys for e in examples] == [["p1", "p2"], ["p3", "p4"]]

@@ -31,7 +31,7 @@ def features(data_paths, image_root, out, backbone, vit, region_table, max_boxes
     `storyrl train tapm` and TAPM generation read."""
     from tqdm.auto import tqdm
 
-    from storyrl.generators.tapm.data import load_records
+    from storyrl.datasets import load_records
     from storyrl.generators.tapm.features import FeatureExtractor, image_keys, write_features
     from storyrl.images import RegionTable, resolve_images
 

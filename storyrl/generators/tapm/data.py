@@ -3,37 +3,13 @@ sentence per image."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TapmExample", "load_examples", "load_records", "split_story"]
+__all__ = ["TapmExample", "load_examples", "split_story"]
 
 logger = logging.getLogger(__name__)
-
-
-def _is_vist_sis(path: Path) -> bool:
-    if path.suffix != ".json":
-        return False
-    with open(path, encoding="utf-8") as f:
-        head = f.read(4096)
-    return '"annotations"' in head
-
-
-def load_records(path: str | os.PathLike):
-    """Story records from a VIST story-in-sequence file (``storyrl.datasets.load_vist_sis``)
-    or a storyrl story file (``storyrl.data.load_stories``; JSONL records with
-    ``images`` or ``image_ids``)."""
-    path = Path(path)
-    if _is_vist_sis(path):
-        from storyrl.datasets import load_vist_sis
-
-        return load_vist_sis(path)
-    from storyrl.data import load_stories
-
-    return load_stories(path)
 
 
 @dataclass
@@ -59,27 +35,21 @@ def split_story(story: str, n: int) -> list[str] | None:
     return groups
 
 
-def _vist_sentences(path: Path) -> dict[str, list[str]]:
-    # load_vist_sis joins the storylets; TAPM needs each image's own text.
-    data = json.loads(path.read_text(encoding="utf-8"))
-    by_story: dict[str, list[tuple[int, str]]] = {}
-    for ann in data["annotations"]:
-        for item in ann if isinstance(ann, list) else [ann]:
-            by_story.setdefault(str(item["story_id"]), []).append(
-                (int(item["worker_arranged_photo_order"]), str(item["text"]).strip()))
-    return {k: [t for _, t in sorted(v)] for k, v in by_story.items()}
-
-
 def load_examples(paths: list[str]) -> list[TapmExample]:
     """Examples of every file, in file order; stories that cannot give one
     sentence per image are skipped (logged)."""
+    from storyrl.datasets import is_vist_sis, load_records, read_vist_sis, vist_sis_records
     from storyrl.generators.tapm.features import image_keys
 
     examples, skipped = [], 0
     for name in paths:
         path = Path(name)
-        records = load_records(path)
-        per_image = _vist_sentences(path) if _is_vist_sis(path) else {}
+        if is_vist_sis(path):  # each image's own storylet text, not the joined story
+            storylets = read_vist_sis(path)
+            records = vist_sis_records(storylets)
+            per_image = {sid: [str(it["text"]).strip() for it in items] for sid, items in storylets.items()}
+        else:
+            records, per_image = load_records(path), {}
         for record in records:
             keys = image_keys(record)
             sentences = per_image.get(record.story_id) or split_story(record.story, len(keys))
