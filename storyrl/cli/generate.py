@@ -10,8 +10,7 @@ import click
 from storyrl.cli.common import _FILE, _check_outputs, _fail, _json
 from storyrl.cli.config_options import GeneratedOptionsCommand, given, registry_options
 from storyrl.cli.reward_options import input_paths
-
-_DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS, without importing it
+from storyrl.datasets import DATA_FORMATS
 EPILOG = ("An option that only one generator declares is set with --<option>; an option of the same name with "
           "different meanings has the spelling --<generator>-<option> (e.g. --tapm-max-new-tokens).")
 
@@ -31,7 +30,7 @@ def _generator_options(own: set[str]) -> list[click.Parameter]:
 @click.option("--data", "-d", required=True, type=_FILE,
               help="Stories with images: storyrl JSONL records (images, or image_ids with --image-root), "
                    "a VIST story-in-sequence JSON or the VWP CSV.")
-@click.option("--data-format", type=click.Choice(_DATA_FORMATS), default="auto", show_default=True,
+@click.option("--data-format", type=click.Choice(DATA_FORMATS), default="auto", show_default=True,
               help="Format of --data.")
 @click.option("--out", "-o", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="Story file to write: JSON {story_id: story}; the sidecar OUT.meta.json records the settings.")

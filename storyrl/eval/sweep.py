@@ -261,7 +261,7 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
     """The cell's stories are complete for these records, with the cell's
     options (a changed option is an error, not a silent reuse)."""
     from storyrl.generators import GENERATORS
-    from storyrl.generators.runs import _check_same_options, sidecar_path
+    from storyrl.generators.runs import check_same_options, sidecar_path
 
     meta = _sidecar(cell)
     if not meta or meta.get("complete") is not True or not cell.stories.is_file():
@@ -269,7 +269,7 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
     cls = GENERATORS.get(cell.generator)
     now = {"generator": cls.name or cell.generator, "options": _generator_config(cell).to_dict()}
     try:
-        _check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()))
+        check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()))
     except ValueError as exc:
         reason = str(exc).split("; use another output file")[0]
         raise ValueError(f"{reason}; use another output_dir, or delete {cell.directory} to redo the cell") from None

@@ -25,7 +25,7 @@ from typing import Any
 from storyrl.data import StoryRecord, check_story_ids
 from storyrl.generators.base import Generator
 
-__all__ = ["GenerationRun", "generate_to_file", "sidecar_path"]
+__all__ = ["GenerationRun", "check_same_options", "generate_to_file", "sidecar_path"]
 
 
 def sidecar_path(out: str | os.PathLike) -> Path:
@@ -60,7 +60,9 @@ def _read_json(locked, what: str) -> dict | None:
     return data
 
 
-def _check_same_options(meta_path: Path, before: dict, now: dict, runtime: Sequence[str]) -> None:
+def check_same_options(meta_path: Path, before: dict, now: dict, runtime: Sequence[str]) -> None:
+    """ValueError unless the sidecar ``before`` was written by the same
+    generator with the same options as ``now`` (``runtime`` ones may differ)."""
     if before.get("generator") != now["generator"]:
         raise ValueError(f"{meta_path}: written by generator {before.get('generator')!r}, this run is "
                          f"{now['generator']!r}; use another output file or --overwrite")
@@ -107,7 +109,7 @@ def generate_to_file(
             if previous and before is None:
                 raise ValueError(f"{run.sidecar}: missing; cannot tell how {out} was generated")
             if before is not None:
-                _check_same_options(run.sidecar, before, meta, runtime)
+                check_same_options(run.sidecar, before, meta, runtime)
             run.stories = {k: v for k, v in previous.items() if isinstance(v, str)}
             run.resumed = len(run.stories)
         todo = [r for r in records if r.story_id not in run.stories]
