@@ -208,11 +208,17 @@ class Reward(Configurable):
 
     def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
         """TRL reward-function contract: ``None`` marks an unscorable sample.
-        Dataset columns arrive in ``kwargs`` and are passed on as context."""
+        Dataset columns arrive in ``kwargs`` and are passed on as context; a
+        ``story_images`` column, when present, is the ``images`` context."""
         if completions is None:
             raise TypeError(f"{self.name}: called without completions")
         texts = [completion_text(c) for c in _as_list(completions, "completions", self.name)]
         context = {k: v for k, v in kwargs.items() if k not in _TRL_KWARGS}
+        if "story_images" in context:
+            # TRL feeds a VLM policy the dataset's ``images`` column (e.g. one
+            # sequence image); the per-position images rewards need travel as
+            # ``story_images`` and take the place of ``images`` here.
+            context["images"] = context.pop("story_images")
         scores = self.score(texts, **context)
         log_metric = kwargs.get("log_metric")
         if callable(log_metric) and len(scores):
