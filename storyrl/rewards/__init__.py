@@ -38,6 +38,10 @@ REWARDS.add("coherence", "storyrl.rewards.coherence:Coherence",
 REWARDS.add("rovist_vg", "storyrl.rewards.rovist_vg:RovistVG",
             "RoViST-VG visual grounding: GloVe nouns / ViT regions, idf-weighted log-sum-exp.",
             aliases=("rovist-vg",))
+REWARDS.add("dhm", "storyrl.rewards.dhm:DHM",
+            "Minus d_HM to the human story: weighted mean |human - model| of grounding, coherence, repetition.")
+REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",
+            "Weighted sum of rewards, each optionally normalised (batch or group z-score, fixed range).")
 
 
 def register_reward(name: str | None = None, *, description: str | None = None):
