@@ -18,12 +18,14 @@ import os
 
 import click
 
+from storyrl.cli.ablate import ablate
 from storyrl.cli.common import CommandError
 from storyrl.cli.data import assets, regions
 from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
+from storyrl.cli.serve import serve
 from storyrl.cli.sweep import sweep
 from storyrl.cli.train import train
 
@@ -89,3 +91,5 @@ def main() -> None:
 
 for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate, features, sweep):
     main.add_command(_command)
+main.add_command(ablate)
+main.add_command(serve)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from storyrl.data import ScoreWriter, StoryRecord
 
-__all__ = ["CONTEXT_FIELDS", "score_batches", "score_context", "score_to_file"]
+__all__ = ["CONTEXT_FIELDS", "make_metric", "score_batches", "score_context", "score_to_file"]
 
 #: Record fields a reward may take as per-story context (images for the
 #: grounding rewards, the human story as reference, precomputed noun phrases).
@@ -87,3 +87,45 @@ def score_to_file(
             reward.setup()  # models load only when there is something to score
         score_batches(rewards, todo, writer, batch_size=batch_size, progress=progress)
         return len(todo)
+
+
+def make_metric(spec: str | Mapping[str, Any], image_root: str | None = None) -> Any:
+    """A reward to score with, from ``spec``: a reward config file (YAML,
+    ``reward: <name>`` plus options), a registered reward's name (its
+    default options) or an inline config ``{reward: <name>, ...options}``.
+    ``image_root`` is given to a reward that declares the option and sets
+    none. Models are not loaded yet. Errors are ValueErrors."""
+    from storyrl.config import option_info
+    from storyrl.rewards import REWARDS, get_reward_class, load_reward_config
+
+    if isinstance(spec, str):
+        if spec in REWARDS and not Path(spec).is_file():
+            name, options = spec, {}
+        elif Path(spec).is_file():
+            reward = load_reward_config(spec)
+            if image_root and "image_root" in _declared(type(reward)) and reward.args.image_root is None:
+                reward = load_reward_config(spec, overrides={"image_root": image_root})
+            return reward
+        else:
+            raise ValueError(f"{spec!r} is neither a reward config file nor a reward ({', '.join(REWARDS.names())})")
+    elif isinstance(spec, Mapping) and isinstance(spec.get("reward"), str):
+        name, options = spec["reward"], {k: v for k, v in spec.items() if k != "reward"}
+    else:
+        raise ValueError(f"a metric is a reward config file, a reward name or a mapping with 'reward: <name>', "
+                         f"got {spec!r}")
+    try:
+        cls = get_reward_class(name)
+    except KeyError as exc:
+        raise ValueError(str(exc.args[0])) from None
+    if image_root and "image_root" in {info.name for info in option_info(cls.config_class)}:
+        options = {"image_root": image_root, **options}
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def _declared(cls: type) -> set[str]:
+    from storyrl.config import option_info
+
+    return {info.name for info in option_info(cls.config_class)}

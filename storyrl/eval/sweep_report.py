@@ -1,19 +1,55 @@
 """The d_HM tables and chart of a prompting sweep (:mod:`storyrl.eval.sweep`):
 ``dhm.csv`` (every cell and every mean-over-prompts row), ``dhm.md`` (the
 same as Markdown, means first) and ``dhm.png`` (grouped bars per model ×
-setting: the distance per dimension and d_HM, like the paper's Figure 1)."""
+setting: the distance per dimension and d_HM, like the paper's Figure 1).
+
+The table and bar helpers (:func:`csv_text`, :func:`markdown_table`,
+:func:`grouped_bars`) are shared with the reward ablation's report
+(:mod:`storyrl.eval.ablation_report`)."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["markdown_tables", "plot_dhm", "write_report"]
+__all__ = ["csv_text", "grouped_bars", "markdown_table", "markdown_tables", "plot_dhm", "write_report"]
 
 _COUNTS = ["records", "stories", "failures", "unscorable", "n"]
+
+
+def _nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def csv_text(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A CSV table; NaN (no value) is an empty cell."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(headers)
+    for row in rows:
+        writer.writerow(["" if _nan(v) else v for v in row])
+    return buffer.getvalue()
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub Markdown table, numbers to 4 decimals, NaN shown as "–"."""
+    from tabulate import tabulate
+
+    body = [[None if _nan(v) else v for v in row] for row in rows]
+    return tabulate(body, headers=list(headers), tablefmt="github", floatfmt=".4f", missingval="–")
+
+
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]]) -> None:
+    """One group of bars per label, one bar per series (NaN: no bar)."""
+    width = 0.8 / max(len(series), 1)
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], list(values), width, label=name)
+    ax.set_xticks(range(len(labels)), list(labels), fontsize=8)
+    ax.legend(fontsize=8)
 
 
 def _row(result: Any, dims: list[str]) -> list:
@@ -22,21 +58,15 @@ def _row(result: Any, dims: list[str]) -> list:
 
 
 def _csv(sweep: Any, dims: list[str]) -> str:
-    buffer = io.StringIO()
-    writer = csv.writer(buffer)
-    writer.writerow(["model", "setting", "prompt", *_COUNTS, *dims, "d_hm"])
-    for result in [*sweep.cells, *sweep.means]:
-        writer.writerow(["" if isinstance(v, float) and math.isnan(v) else v for v in _row(result, dims)])
-    return buffer.getvalue()
+    return csv_text(["model", "setting", "prompt", *_COUNTS, *dims, "d_hm"],
+                    [_row(result, dims) for result in [*sweep.cells, *sweep.means]])
 
 
 def markdown_tables(sweep: Any, dims: list[str]) -> str:
     """The mean-over-prompts table (the paper's numbers) and the per-cell table."""
-    from tabulate import tabulate
 
     def table(rows: list, first: list[str]) -> str:
-        body = [[None if isinstance(v, float) and math.isnan(v) else v for v in row] for row in rows]
-        return tabulate(body, headers=[*first, *dims, "d_HM"], tablefmt="github", floatfmt=".4f", missingval="–")
+        return markdown_table([*first, *dims, "d_HM"], rows)
 
     means = table([[m.model, m.setting, m.prompts, m.n, m.failures, m.unscorable,
                     *(m.distances.get(d, math.nan) for d in dims), m.d_hm] for m in sweep.means],
@@ -60,16 +90,12 @@ def plot_dhm(sweep: Any, dims: list[str], path: Path) -> None:
     rows = [m for m in sweep.means if math.isfinite(m.d_hm)]
     several = len({m.setting for m in rows}) > 1
     labels = [f"{m.model}\n{m.setting}" if several else m.model for m in rows]
-    series = [*dims, "d_HM"]
-    width = 0.8 / len(series)
+    series = {name: [m.d_hm if name == "d_HM" else m.distances.get(name, math.nan) for m in rows]
+              for name in [*dims, "d_HM"]}
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows) + 2), 3.5))
-    for k, name in enumerate(series):
-        values = [m.d_hm if name == "d_HM" else m.distances.get(name, math.nan) for m in rows]
-        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(rows))], values, width, label=name)
-    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    grouped_bars(ax, labels, series)
     ax.set_ylabel("distance to human stories")
     ax.set_title("d_HM (lower is better)")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
