@@ -418,3 +418,21 @@ def write_tapm_stories(path: Path, image_ids: list[list[str]]) -> str:
             story = " ".join(TAPM_TEXTS[(k + j) % len(TAPM_TEXTS)] for j in range(len(ids)))
             f.write(json.dumps({"story_id": f"s{k}", "story": story, "image_ids": ids}) + "\n")
     return str(path)
+
+
+# -- noun phrases without spaCy ---------------------------------------------------------
+
+
+class KeywordPhrases:
+    """Stands in for GROOViST's spaCy noun-phrase extractor (no English
+    pipeline can be installed offline): each of ``words`` found in a story is
+    one noun phrase, in story order. Set it as a GROOViST reward's
+    ``_extractor``."""
+
+    def __init__(self, words) -> None:
+        self.words = frozenset(words)
+
+    def extract(self, stories):
+        import re
+
+        return [[w for w in re.findall(r"[a-z]+", story.lower()) if w in self.words] for story in stories]
