@@ -155,9 +155,6 @@ class AblationConfig(Config):
                     problems.append(f"{key}: name {name!r}: use letters, digits and ._+- (it names a directory)")
                 elif name == HUMAN:
                     problems.append(f"{key}: {HUMAN!r} names the human stories' row; choose another name")
-        for name, path in self.stories.items():
-            if not Path(path).is_file():
-                problems.append(f"stories.{name}: no such story file {path}")
         if problems or not self.variants:
             return problems
         if isinstance(self.train, str) and not Path(self.train).is_file():
@@ -256,6 +253,10 @@ def _sha256(path: Path) -> str:
 def plan_variants(config: AblationConfig) -> list[Variant]:
     """The variants in config order."""
     out = Path(config.output_dir) / "variants"
+    source = getattr(config, "source", None) or "ablation config"
+    for name, path in config.stories.items():
+        if not Path(path).is_file():  # checked here, not on loading: a shipped config names files to come
+            raise ValueError(f"{source}: stories.{name}: no such story file {path}")
     if config.stories:
         return [Variant(name, out / name, {"story_file_sha256": _sha256(Path(path))}, story_file=Path(path))
                 for name, path in config.stories.items()]

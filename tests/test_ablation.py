@@ -1,0 +1,322 @@
+"""Reward ablations (issue 11 part 4): fixed story files scored with the
+model-free repetition metric, a tiny random coherence model and a tiny
+CLIPScore; the table recomputed with numpy from scores computed here
+directly; reruns that redo nothing; changed variants and metrics refused;
+config errors; the CLI; and training-mode runs (the RL orchestration
+replaced by fakes that record their calls, and end to end with a tiny
+random LLaMA policy)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+
+import storyrl  # noqa: F401  (before transformers: the CPU torchvision fallback)
+
+from tiny_models import albert_tokenizer, save_coherence_model
+
+REPO = Path(__file__).resolve().parents[1]
+REPETITION = str(REPO / "configs" / "rewards" / "repetition.yaml")
+
+HUMAN = {
+    "s0": "The dog ran to the park. It saw a red car. The sun was hot that day.",
+    "s1": "We ate cake at home. The cake was big and sweet. Then we went to sleep.",
+    "s2": "They walked by the tree. The sky was blue. A cat sat on the wall.",
+    "s3": "We had a party. Everyone came to the park. It was a great day.",
+}
+#: s1's human story is its reference, not its story field (which is a draft)
+REFERENCE_S1 = "We baked a cake. It was big and sweet. We ate it all at home."
+STORIES = {
+    # every sequence; s3's one sentence is unscorable for repetition and coherence
+    "all_dims": {"s0": "The dog ran. The dog ran to the car. The sun was hot.",
+                 "s1": "We ate cake. The cake was big. We went to sleep.",
+                 "s2": "A cat sat on the wall. The sky was blue. The tree was big.",
+                 "s3": "A party."},
+    # s1 and s3 missing (failures); "x9" is no sequence of the data: ignored
+    "no_R": {"s0": "The car was red. The dog ran to the park. It was hot.",
+             "s2": "They walked by the tree. They walked by the tree. They walked by the tree.",
+             "x9": "Not in the data. Not at all."},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, tiny_clip, images):
+    root = tmp_path_factory.mktemp("ablation_assets")
+    data = root / "data.jsonl"
+    rows = [{"story_id": sid, "story": text, "images": images[k % 3:] + images[: k % 3]}
+            for k, (sid, text) in enumerate(HUMAN.items())]
+    rows[1]["reference"] = REFERENCE_S1
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = {}
+    for name, stories in STORIES.items():
+        files[name] = root / f"{name}.json"
+        files[name].write_text(json.dumps(stories))
+    texts = [*HUMAN.values(), REFERENCE_S1, *(t for s in STORIES.values() for t in s.values())]
+    coherence = save_coherence_model(root / "coherence", albert_tokenizer(texts, vocab_size=128), seed=0,
+                                     size="small", head_scale=20)
+    return {"root": root, "data": data, "files": files, "images": {r["story_id"]: r["images"] for r in rows},
+            "metrics": [REPETITION, {"reward": "coherence", "model": coherence, "device": "cpu"},
+                        {"reward": "clipscore", "clip_model": tiny_clip, "clip_pretrained": None, "device": "cpu"}]}
+
+
+def _config(assets, out: Path, **changes) -> dict:
+    config = {"output_dir": str(out), "stories": {k: str(v) for k, v in assets["files"].items()},
+              "eval": {"data": str(assets["data"]), "metrics": assets["metrics"], "batch_size": 3}}
+    config.update(changes)
+    return config
+
+
+def _write(path: Path, config: dict) -> Path:
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _run(assets, out: Path, only=None, overwrite=False, **changes):
+    from storyrl.eval.ablation import AblationConfig, run_ablation
+
+    path = _write(out.parent / f"{out.name}.yaml", _config(assets, out, **changes))
+    return run_ablation(AblationConfig.from_yaml(path), progress=False, only=only, overwrite=overwrite)
+
+
+@pytest.fixture(scope="module")
+def ablated(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ablation") / "out"
+    return out, _run(assets, out)
+
+
+def _direct_scores(assets, texts: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Each metric computed here on the texts, not through the runner's files."""
+    from storyrl.eval.scoring import make_metric
+
+    ids = list(texts)
+    scores = {}
+    for spec in assets["metrics"]:
+        metric = make_metric(spec)
+        values = metric.score([texts[s] for s in ids], images=[assets["images"][s] for s in ids])
+        scores[metric.name] = dict(zip(ids, map(float, values)))
+    return scores
+
+
+def _expected(assets, stories: dict[str, str]) -> dict:
+    """The table row by numpy: metric means over finite scores; d_HM over the
+    stories whose coherence and repetition are finite on both sides."""
+    human_texts = {**HUMAN, "s1": REFERENCE_S1}
+    human = _direct_scores(assets, human_texts)
+    ids = [s for s in HUMAN if s in stories]
+    model = _direct_scores(assets, {s: stories[s] for s in ids})
+    dims = ["coherence", "repetition"]
+    counted = [s for s in ids if np.isfinite([human[d][s] for d in dims] + [model[d][s] for d in dims]).all()]
+    distances = {d: float(np.mean([abs(human[d][s] - model[d][s]) for s in counted])) for d in dims}
+    means = {m: float(np.nanmean(np.array(list(v.values())))) for m, v in model.items()}
+    return {"stories": len(ids), "failures": 4 - len(ids), "n": len(counted), "unscorable": len(ids) - len(counted),
+            "means": means, "distances": distances, "d_hm": float(np.mean(list(distances.values()))),
+            "human_means": {m: float(np.nanmean(np.array(list(v.values())))) for m, v in human.items()}}
+
+
+def test_table_equals_means_and_d_hm_recomputed_with_numpy(assets, ablated):
+    _, result = ablated
+    assert [v.variant for v in result.variants] == ["all_dims", "no_R"]
+    assert result.metrics == ["repetition", "coherence", "clipscore"]
+    assert result.dimensions == ["coherence", "repetition"]
+    for row in result.variants:
+        expected = _expected(assets, STORIES[row.variant])
+        assert (row.records, row.stories, row.failures, row.n, row.unscorable) == (
+            4, expected["stories"], expected["failures"], expected["n"], expected["unscorable"])
+        assert row.means == pytest.approx(expected["means"], rel=1e-6)
+        assert row.distances == pytest.approx(expected["distances"], rel=1e-6)
+        assert row.d_hm == pytest.approx(expected["d_hm"], rel=1e-6)
+        assert result.human.means == pytest.approx(expected["human_means"], rel=1e-6)
+    # the cases are real: an unscorable story, missing ones, distances that differ
+    assert result.row("all_dims").unscorable == 1 and result.row("no_R").failures == 2
+    assert result.row("all_dims").d_hm != pytest.approx(result.row("no_R").d_hm)
+
+
+def test_csv_markdown_and_png(ablated):
+    out, result = ablated
+    with (out / "ablation.csv").open(newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0]) == ["variant", "records", "stories", "failures", "unscorable", "n", "repetition",
+                             "coherence", "clipscore", "d_C", "d_R", "d_HM"]
+    assert [r["variant"] for r in rows] == ["all_dims", "no_R", "human"]
+    for row, variant in zip(rows, result.variants):
+        assert float(row["d_HM"]) == variant.d_hm and float(row["d_C"]) == variant.distances["coherence"]
+        assert float(row["clipscore"]) == variant.means["clipscore"] and row["failures"] == str(variant.failures)
+    assert rows[2]["d_HM"] == "" and float(rows[2]["repetition"]) == result.human.means["repetition"]
+    markdown = (out / "ablation.md").read_text()
+    assert markdown == result.markdown and f"{result.variants[1].d_hm:.4f}" in markdown
+    assert "| no_R " in markdown and " d_C |" in markdown
+    assert (out / "ablation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result.paths == {"csv": out / "ablation.csv", "markdown": out / "ablation.md", "plot": out / "ablation.png"}
+
+
+class Spy:
+    """Counts the stories every metric scores (patched into Reward.score)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from storyrl.rewards.base import Reward
+
+        self.scored: list[tuple[str, int]] = []
+        original = Reward.score
+
+        def score(reward, stories, **context):
+            self.scored.append((reward.name, len(stories)))
+            return original(reward, stories, **context)
+
+        monkeypatch.setattr(Reward, "score", score)
+
+
+def _stamps(out: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file() and not p.name.startswith("ablation.")}
+
+
+def test_rerun_scores_nothing_and_rebuilds_the_same_table(assets, ablated, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(ablated[0], out)
+    before = _stamps(out)
+    spy = Spy(monkeypatch)
+    again = _run(assets, out)
+    assert spy.scored == []
+    assert _stamps(out) == before
+    assert again.markdown == ablated[1].markdown
+
+
+def test_interrupted_scores_resume_and_only_runs_the_chosen_variants(assets, ablated, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(ablated[0], out)
+    scores = out / "variants" / "all_dims" / "scores.csv"
+    lines = scores.read_text().splitlines(keepends=True)
+    scores.write_text("".join(lines[:3]) + lines[3][:5])  # two rows kept, one cut by a kill
+    spy = Spy(monkeypatch)
+    again = _run(assets, out, only=["all_dims"])
+    assert spy.scored == [("repetition", 2), ("coherence", 2), ("clipscore", 2)]  # s2 and s3
+    assert [v.variant for v in again.variants] == ["all_dims", "no_R"]  # no_R finished earlier: in the table
+    assert again.row("all_dims").d_hm == pytest.approx(ablated[1].row("all_dims").d_hm, rel=1e-6)
+
+
+def test_a_changed_story_file_is_an_error_and_overwrite_rescores_only_it(assets, ablated, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(ablated[0], out)
+    changed = tmp_path / "no_R.json"
+    changed.write_text(json.dumps({**STORIES["no_R"], "s1": "We ate. We slept."}))
+    stories = {"all_dims": str(assets["files"]["all_dims"]), "no_R": str(changed)}
+    spy = Spy(monkeypatch)
+    with pytest.raises(ValueError, match=r"^variant no_R: its story file changed since it ran \(.*variant.json\); "
+                                         r"use --overwrite to redo it"):
+        _run(assets, out, stories=stories)
+    assert spy.scored == []
+    # the same content elsewhere is the same variant
+    moved = tmp_path / "moved.json"
+    shutil.copy(assets["files"]["no_R"], moved)
+    _run(assets, out, stories={**stories, "no_R": str(moved)})
+    assert spy.scored == []
+    result = _run(assets, out, stories=stories, overwrite=True)
+    assert spy.scored == [("repetition", 3), ("coherence", 3), ("clipscore", 3)]
+    expected = _expected(assets, json.loads(changed.read_text()))
+    assert result.row("no_R").d_hm == pytest.approx(expected["d_hm"], rel=1e-6)
+    assert result.row("no_R").failures == 1
+
+
+def test_changed_metrics_are_an_error_and_overwrite_rescores_everything(assets, ablated, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(ablated[0], out)
+    metrics = [{"reward": "repetition", "chunk_size": 3}, *assets["metrics"][1:]]
+    eval_ = {**_config(assets, out)["eval"], "metrics": metrics}
+    spy = Spy(monkeypatch)
+    with pytest.raises(ValueError, match=r"metrics.json: the scores were made with other metrics "
+                                         r"\(metrics.repetition.chunk_size: 4 -> 3\); use --overwrite"):
+        _run(assets, out, eval=eval_)
+    assert spy.scored == []
+    _run(assets, out, eval=eval_, overwrite=True)
+    totals = {m: sum(n for name, n in spy.scored if name == m) for m in ("repetition", "coherence", "clipscore")}
+    assert totals == dict.fromkeys(totals, 4 + 4 + 2)  # the human stories and both variants
+    spy.scored.clear()
+    _run(assets, out, eval=eval_)  # recorded: the next run is a plain rerun
+    assert spy.scored == []
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"stories": {}}, r"give variants \(with train\) or stories"),
+    ({"variants": {"a": {}}, "train": {}}, r"give either variants .* or stories .*, not both"),
+    ({"stories": {"human": "x.json"}}, r"stories: 'human' names the human stories' row"),
+    ({"stories": {"a b": "x.json"}}, r"stories: name 'a b': use letters"),
+    ({"train": "configs/rl/x.yaml"}, r"train: fixed story files \(stories\) are not trained"),
+    ({"eval": {"data": "d.jsonl", "metrics": ["fluency"]}}, r"eval: metrics\[0\]: 'fluency' is neither a reward "
+                                                            r"config file nor a reward"),
+    ({"eval": {"data": "d.jsonl", "metrics": [{"reward": "repetition", "colour": 1}]}},
+     r"eval: metrics\[0\]: reward 'repetition': .*unknown option 'colour'"),
+    ({"eval": {"data": "d.jsonl", "metrics": ["repetition", {"reward": "repetition"}]}},
+     r"eval: metrics: 'repetition' is given twice"),
+    ({"eval": {"data": "d.jsonl", "metrics": ["repetition"], "dimensions": ["coherence"]}},
+     r"eval: dimensions: 'coherence' is not among the metrics"),
+    ({"eval": {"data": "d.jsonl", "metrics": ["repetition"], "dimensions": ["fluency"]}},
+     r"eval: dimensions: 'fluency' is not a d_HM dimension"),
+    ({"eval": {"data": "d.jsonl", "metrics": [{"reward": "clipscore"}]}}, r"eval: metrics: no d_HM dimension"),
+    ({"eval": {"data": "d.jsonl", "metrics": ["repetition"], "max_stories": 0}}, r"eval: .*max_stories must be >= 1"),
+    ({"eval": {"metrics": ["repetition"]}}, r"eval: missing required option\(s\) 'data'"),
+    ({"colour": "red"}, r"unknown option 'colour'"),
+])
+def test_config_errors_name_the_file_and_the_key(assets, tmp_path, change, message):
+    from storyrl.eval.ablation import AblationConfig
+
+    path = _write(tmp_path / "bad.yaml", _config(assets, tmp_path / "out", **change))
+    with pytest.raises(ValueError, match=f"^{path}: .*{message}"):
+        AblationConfig.from_yaml(path)
+
+
+def test_a_missing_story_file_or_unknown_variant_fails_before_any_work(assets, tmp_path):
+    with pytest.raises(ValueError, match=r"abl.yaml: stories.gone: no such story file .*gone.json$"):
+        _run(assets, tmp_path / "abl", stories={"gone": str(tmp_path / "gone.json")})
+    with pytest.raises(ValueError, match=r"abl.yaml: no variant 'nope'; the variants are all_dims, no_R"):
+        _run(assets, tmp_path / "abl", only=["nope"])
+    assert not (tmp_path / "abl").exists()
+
+
+def test_cli_prints_the_table_and_fails_when_no_variant_has_a_story(assets, ablated, tmp_path):
+    from storyrl.cli import main
+
+    out = tmp_path / "out"
+    shutil.copytree(ablated[0], out)
+    path = _write(tmp_path / "abl.yaml", _config(assets, out))
+    result = CliRunner().invoke(main, ["ablate", "--config", str(path), "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert ablated[1].markdown in result.output and f"plot: {out / 'ablation.png'}" in result.output
+
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"elsewhere": "A story of no sequence here. Really."}))
+    path = _write(tmp_path / "empty.yaml", _config(assets, tmp_path / "empty", stories={"e": str(empty)}))
+    result = CliRunner().invoke(main, ["ablate", "--config", str(path), "--quiet"])
+    assert result.exit_code == 1 and result.output.rstrip().endswith("Error: no variant produced a story (see the table)")
+
+    path = _write(tmp_path / "bad.yaml", _config(assets, out, stories={}))
+    for args in (["--config", str(path)], ["--config", str(_write(tmp_path / "ok.yaml", _config(assets, out))),
+                                           "--only", "nope"]):
+        result = CliRunner().invoke(main, ["ablate", *args, "--quiet"])
+        assert result.exit_code == 1 and result.output.startswith("Error: ") and "Traceback" not in result.output
+        assert result.output.count("\n") == 1, result.output
+
+
+def test_shipped_story_files_config_loads(monkeypatch):
+    from storyrl.eval.ablation import AblationConfig
+
+    monkeypatch.chdir(REPO)  # reward config paths are relative to the checkout
+    config = AblationConfig.from_yaml("configs/ablations/story_files.yaml")
+    assert config.stories and not config.variants
+    assert config.eval.dims() == ["groovist", "coherence", "repetition"]
