@@ -48,6 +48,7 @@ __all__ = [
     "FALLBACK_ENV",
     "STATS",
     "Scored",
+    "batch_normalized",
     "context_columns",
     "label_context",
     "resolve_fallback",
@@ -120,7 +121,8 @@ def label_context(label: Any, where: str = "label") -> dict[str, Any]:
     is the human story (``reference``); a mapping may hold any of
     :data:`CONTEXT_KEYS` (other keys, e.g. verl's ``index``, are ignored);
     None is no context. Values are checked (TypeError naming ``where``);
-    numpy arrays (lists read back from parquet) become lists."""
+    numpy arrays (lists read back from parquet) become lists;
+    ``story_images`` becomes the story's ``images``."""
     if label is None:
         return {}
     if isinstance(label, str):
@@ -141,6 +143,10 @@ def label_context(label: Any, where: str = "label") -> dict[str, Any]:
         elif not isinstance(value, str):
             raise TypeError(f"{where}: {key!r} must be a string, got {_describe(value)}")
         context[key] = value
+    if "story_images" in context:
+        # Per story, as Reward.__call__ does per column: a story's own
+        # per-position images win over a (VLM policy's) images entry.
+        context["images"] = context.pop("story_images")
     return context
 
 
@@ -178,11 +184,14 @@ class Scored:
         return {k: _finite(v, fallback) for k, v in self.components.items()}
 
 
-def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, Sequence] | None = None) -> Scored:
+def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, Sequence] | None = None,
+                  prompts: Sequence[Any] | None = None) -> Scored:
     """Score ``stories`` with their context columns, through the reward's TRL
     interface so that the per-sample components a composite reward logs with
     ``log_extra`` come back too. The totals equal ``reward.score(stories,
-    **context)``. Counts stories and unscorable ones in :data:`STATS`."""
+    **context)`` (``prompts``, when given, tell the groups of a reward
+    normalised per prompt apart). Counts stories and unscorable ones in
+    :data:`STATS`."""
     stories = list(stories)
     extra: dict[str, list] = {}
 
@@ -193,7 +202,7 @@ def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, 
         pass  # batch-level means; the frameworks average per-sample values themselves
 
     with _SCORE_LOCK:
-        out = reward(prompts=None, completions=stories, log_extra=log_extra, log_metric=log_metric,
+        out = reward(prompts=None if prompts is None else list(prompts), completions=stories, log_extra=log_extra, log_metric=log_metric,
                      **dict(context or {}))
     scores = np.array([math.nan if v is None else float(v) for v in out], dtype=float)
     components = {}
@@ -208,6 +217,17 @@ def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, 
         log.warning("%s: %d of %d stories unscorable; they get the fallback reward (see %s)",
                     reward.name, bad, len(stories), FALLBACK_ENV)
     return Scored(scores, components)
+
+
+def batch_normalized(reward: Reward) -> bool:
+    """Whether ``reward`` (or a reward inside it) normalises over the batch
+    or over prompt groups (a ``weighted`` component with ``normalize: batch``
+    or ``group``): its values then depend on which stories are scored
+    together."""
+    components = getattr(getattr(reward, "args", None), "components", None) or ()
+    if any(getattr(c, "normalize", "none") in ("batch", "group") for c in components):
+        return True
+    return any(batch_normalized(r) for r in getattr(reward, "component_rewards", {}).values())
 
 
 def _numbers(values: list, n: int) -> np.ndarray | None:

@@ -33,6 +33,11 @@ of :data:`storyrl.integrations.CONTEXT_KEYS` (``reference``, ``story_id``,
 ``images`` / ``story_images``, ``image_ids``, ``noun_phrases``); null is no
 context. Unscorable stories get the fallback reward (default 0.0) and
 ``unscorable`` = 1.0 (see :mod:`storyrl.integrations`).
+
+A ``weighted`` reward normalised per ``batch`` or per ``group`` normalises
+over what one reward call sees: one ``reward_func`` call, or, for the
+server, the requests batched together (the prompts tell the groups apart).
+``none`` and ``range`` give values that do not depend on batching.
 """
 
 from __future__ import annotations
@@ -68,9 +73,10 @@ def story_from_query(query: str, prompt: str | None = None, end_markers: Sequenc
 
 
 def split_queries(queries: Sequence[Any], prompts: Sequence[Any] | None = None,
-                  labels: Sequence[Any] | None = None) -> tuple[list[str], list[dict[str, Any]]]:
-    """Stories and per-story contexts of an OpenRLHF batch, checked: lists
-    of equal length, queries and prompts strings (TypeError / ValueError)."""
+                  labels: Sequence[Any] | None = None) -> tuple[list[str], list[dict[str, Any]], list[str | None]]:
+    """Stories, per-story contexts and prompts of an OpenRLHF batch,
+    checked: lists of equal length, queries and prompts strings (TypeError /
+    ValueError)."""
     queries = _list(queries, "query")
     n = len(queries)
     prompts = _list(prompts, "prompts", n) if prompts is not None else [None] * n
@@ -81,7 +87,7 @@ def split_queries(queries: Sequence[Any], prompts: Sequence[Any] | None = None,
                 raise TypeError(f"{name}[{i}] must be a string, got {type(value).__name__}")
     stories = [story_from_query(q, p) for q, p in zip(queries, prompts)]
     contexts = [_core.label_context(label, f"labels[{i}]") for i, label in enumerate(labels)]
-    return stories, contexts
+    return stories, contexts, prompts
 
 
 def remote_reward_response(scored: _core.Scored, fallback: float) -> dict[str, Any]:
@@ -103,15 +109,22 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str] | None = None, la
     process; keyword arguments OpenRLHF adds are ignored."""
     import torch
 
-    stories, contexts = split_queries(queries, prompts, labels)
+    stories, contexts, prompts = split_queries(queries, prompts, labels)
     reward = _core.reward_from_config(storyrl_config)
     fallback = _core.resolve_fallback(storyrl_fallback)
-    answer = remote_reward_response(_core.score_stories(reward, stories, _core.context_columns(contexts)), fallback)
+    scored = _core.score_stories(reward, stories, _core.context_columns(contexts), _prompts(prompts))
+    answer = remote_reward_response(scored, fallback)
     return {
         "rewards": torch.tensor(answer["rewards"], dtype=torch.float32),
         "scores": torch.tensor(answer["scores"], dtype=torch.float32),
         "extra_logs": {k: torch.tensor(v, dtype=torch.float32) for k, v in answer["extra_logs"].items()},
     }
+
+
+def _prompts(prompts: list[str | None]) -> list[str | None] | None:
+    """The prompts for the reward call (they group the samples of one prompt
+    for a reward normalised per group); None when no sample has one."""
+    return prompts if any(p is not None for p in prompts) else None
 
 
 def _list(values: Any, name: str, n: int | None = None) -> list:

@@ -20,7 +20,9 @@ request is scored alone, whole), then makes one reward call in a worker
 thread -- so a GPU reward model serves many trainer nodes -- and hands each
 request its own slice. While a call runs, new requests queue up and form the
 next batch. When a batch of several requests fails, each request is retried
-alone, so one bad request does not fail the others.
+alone, so one bad request does not fail the others. (A ``weighted`` reward
+normalised per batch or group therefore normalises over the requests batched
+together; ``none`` / ``range`` normalisation does not depend on batching.)
 
 FastAPI and uvicorn come with ``pip install 'storyrl[serve]'``; this module
 imports FastAPI, so only the ``serve`` command imports it.
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 class _Job:
     stories: list[str]
     contexts: list[dict[str, Any]]
+    prompts: list[str | None]
     future: asyncio.Future
 
 
@@ -72,9 +75,10 @@ class RewardRequest(BaseModel):
 
 class RequestBatcher:
     """Collects requests into batches and scores each batch with one call of
-    ``score(stories, contexts) -> Scored`` in a single worker thread."""
+    ``score(stories, contexts, prompts) -> Scored`` in a single worker
+    thread."""
 
-    def __init__(self, score: Callable[[list[str], list[dict]], _core.Scored], *, max_batch_size: int = 64,
+    def __init__(self, score: Callable[[list[str], list[dict], list], _core.Scored], *, max_batch_size: int = 64,
                  max_wait_ms: float = 10.0) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -110,12 +114,14 @@ class RequestBatcher:
         if self._executor is not None:
             self._executor.shutdown(wait=False)
 
-    async def submit(self, stories: list[str], contexts: list[dict[str, Any]]) -> _core.Scored:
-        """Queue one request's stories; returns their scores (or raises the
-        reward's error)."""
+    async def submit(self, stories: list[str], contexts: list[dict[str, Any]],
+                     prompts: list[str | None] | None = None) -> _core.Scored:
+        """Queue one request's stories (with their contexts and prompts);
+        returns their scores (or raises the reward's error)."""
         if self._worker is None or self._worker.done():
             raise RuntimeError("the reward worker is not running")
-        job = _Job(stories, contexts, asyncio.get_running_loop().create_future())
+        prompts = list(prompts) if prompts is not None else [None] * len(stories)
+        job = _Job(stories, contexts, prompts, asyncio.get_running_loop().create_future())
         self._jobs.append(job)
         self._arrived.set()
         self.stats["requests"] += 1
@@ -162,7 +168,8 @@ class RequestBatcher:
         """One reward call for the batch; when it fails and holds several
         requests, one call per request (worker thread)."""
         try:
-            scored = self._call([s for job in batch for s in job.stories], [c for job in batch for c in job.contexts])
+            scored = self._call([s for job in batch for s in job.stories], [c for job in batch for c in job.contexts],
+                                [p for job in batch for p in job.prompts])
         except Exception as exc:
             if len(batch) == 1:
                 self.stats["failed_requests"] += 1
@@ -171,7 +178,7 @@ class RequestBatcher:
             results = []
             for job in batch:
                 try:
-                    results.append(self._call(job.stories, job.contexts))
+                    results.append(self._call(job.stories, job.contexts, job.prompts))
                 except Exception as one:
                     self.stats["failed_requests"] += 1
                     results.append(one)
@@ -182,11 +189,11 @@ class RequestBatcher:
             start += len(job.stories)
         return out
 
-    def _call(self, stories: list[str], contexts: list[dict]) -> _core.Scored:
+    def _call(self, stories: list[str], contexts: list[dict], prompts: list) -> _core.Scored:
         self.stats["reward_calls"] += 1
         self.batch_sizes[len(stories)] += 1
         try:
-            scored = self._score(stories, contexts)
+            scored = self._score(stories, contexts, prompts)
         except Exception:
             self.stats["failed_calls"] += 1
             raise
@@ -199,8 +206,11 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
     caller so that loading errors come before listening)."""
     fallback = _core.resolve_fallback(fallback)
 
-    def score(stories: list[str], contexts: list[dict]) -> _core.Scored:
-        return _core.score_stories(reward, stories, _core.context_columns(contexts))
+    def score(stories: list[str], contexts: list[dict], prompts: list) -> _core.Scored:
+        # No prompt anywhere: None, so that a reward grouping by prompt does
+        # not take every story for one group.
+        given = prompts if any(p is not None for p in prompts) else None
+        return _core.score_stories(reward, stories, _core.context_columns(contexts), given)
 
     batcher = RequestBatcher(score, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
 
@@ -234,14 +244,14 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
     @app.post("/get_reward")
     async def get_reward(body: RewardRequest):
         try:
-            stories, contexts = split_queries(body.query, body.prompts, body.labels)
+            stories, contexts, prompts = split_queries(body.query, body.prompts, body.labels)
         except (TypeError, ValueError) as exc:
             batcher.stats["bad_requests"] += 1
             return JSONResponse({"detail": str(exc)}, status_code=422)
         if not stories:
             return remote_reward_response(_core.Scored(np.zeros(0)), fallback)
         try:
-            scored = await batcher.submit(stories, contexts)
+            scored = await batcher.submit(stories, contexts, prompts)
         except Exception as exc:
             return JSONResponse({"detail": f"reward {reward.name!r} failed: {_one_line(exc)}"}, status_code=500)
         batcher.stats["fallback"] += int(scored.unscorable.sum())

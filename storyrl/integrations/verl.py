@@ -29,6 +29,10 @@ story (``reference``, for d_HM) or a mapping with any of
 :data:`storyrl.integrations.CONTEXT_KEYS`; ``extra_info`` may carry
 ``story_id``, ``images`` / ``story_images`` (image paths, one per position),
 ``image_ids``, ``noun_phrases`` and ``reference``. ``data_source`` is not used.
+A ``weighted`` reward normalised per ``group`` tells the groups apart by
+``story_id`` (verl does not pass the prompt): give it in ``extra_info``.
+Such a reward (``normalize: batch`` or ``group``) needs
+``compute_score_batch``; ``compute_score`` refuses it.
 
 Return value: a float; or, when the reward logs per-sample components (the
 composite ``dhm`` / ``weighted`` rewards) or ``storyrl_details=True``, a dict
@@ -70,7 +74,15 @@ def compute_score(
 ) -> float | dict[str, float]:
     """verl's ``compute_score(data_source, solution_str, ground_truth,
     extra_info=None, **kwargs)`` for one story. Keyword arguments verl adds
-    that storyrl does not use are ignored."""
+    that storyrl does not use are ignored. A reward normalised over the
+    batch or prompt groups is refused (one story is no batch): use
+    :func:`compute_score_batch`."""
+    reward = _core.reward_from_config(storyrl_config)
+    if _core.batch_normalized(reward):
+        raise ValueError(
+            f"reward {reward.name!r} normalises over the batch or prompt groups, and verl's compute_score sees "
+            "one story at a time: use compute_score_batch with reward_model.reward_manager=batch"
+        )
     (result,) = compute_score_batch(
         [data_source], [solution_str], [ground_truth], [extra_info],
         storyrl_config=storyrl_config, storyrl_fallback=storyrl_fallback, storyrl_details=storyrl_details,

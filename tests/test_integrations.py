@@ -1,0 +1,271 @@
+"""storyrl rewards in verl and OpenRLHF (storyrl.integrations): the adapters
+give the numbers ``reward.score`` gives on the same stories and context, in
+the shapes the frameworks take (checked against their sources: verl's naive /
+batch reward managers, OpenRLHF's reward_func example and remote reward
+post-processing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import numpy as np
+import pytest
+
+import storyrl.integrations as core
+from storyrl.integrations import openrlhf, verl
+from storyrl.integrations.openrlhf import reward_func, story_from_query
+from storyrl.integrations.verl import compute_score, compute_score_batch
+from storyrl.rewards import Reward, create_reward
+
+STORIES = [
+    "The dog ran to the park. The dog ran to the lake. He was happy.",
+    "We went to the beach. The sun was hot. We swam all day and ate ice cream.",
+    "one sentence only.",  # repetition: unscorable (fewer than 2 sentences)
+    "A cat sat. A cat sat. A cat sat.",
+]
+HUMAN = [
+    "A boy and his dog went out. They played in the park. Then they went home.",
+    "The family drove to the sea. Everyone swam. It was a good day.",
+    "It rained. We stayed in.",
+    "The cat slept on the mat. Later it ate. Then it slept again.",
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(core.CONFIG_ENV, raising=False)
+    monkeypatch.delenv(core.FALLBACK_ENV, raising=False)
+
+
+def write(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture
+def repetition_yaml(tmp_path):
+    return write(tmp_path, "repetition.yaml", "reward: repetition\nchunk_size: 4\n")
+
+
+@pytest.fixture
+def dhm_yaml(tmp_path):
+    # d_HM along repetition only: a composite reward without models.
+    return write(tmp_path, "dhm.yaml", "reward: dhm\ndimensions: [repetition]\n")
+
+
+def with_fallback(values, fallback=0.0):
+    return [fallback if math.isnan(v) else float(v) for v in values]
+
+
+# -- splitting OpenRLHF queries ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("query", "prompt", "story"), [
+    ("Write a story: The dog ran. It was fun.", "Write a story:", "The dog ran. It was fun."),
+    # a BOS token decoded before the prompt
+    ("<s>Write a story: The dog ran. It was fun.</s>", "Write a story:", "The dog ran. It was fun."),
+    # end markers and padding after the response, with whitespace
+    ("P: A story. Two.<|im_end|>\n<|endoftext|><|endoftext|>  ", "P:", "A story. Two."),
+    # the prompt is not in the query: the whole query is the story
+    ("The dog ran. It was fun.", "Something else", "The dog ran. It was fun."),
+    ("The dog ran. It was fun.", None, "The dog ran. It was fun."),
+    ("The dog ran. It was fun.", "", "The dog ran. It was fun."),
+    # markers inside the story stay; only the first prompt occurrence is cut
+    ("P: a </s> b. P: again.", "P:", "a </s> b. P: again."),
+])
+def test_story_from_query(query, prompt, story):
+    assert story_from_query(query, prompt) == story
+
+
+# -- OpenRLHF reward_func ----------------------------------------------------------
+
+
+def test_reward_func_equals_reward_score_with_prompts_stripped(repetition_yaml):
+    prompts = [f"<|im_start|>user\nTell story {i}<|im_end|>\n<|im_start|>assistant\n" for i in range(len(STORIES))]
+    queries = [p + s + "<|im_end|>" for p, s in zip(prompts, STORIES)]
+    out = reward_func(queries, prompts, HUMAN, storyrl_config=repetition_yaml)
+    expected = create_reward("repetition").score(STORIES)
+    assert np.isnan(expected[2]) and np.isfinite(np.delete(expected, 2)).all()
+    import torch
+
+    assert isinstance(out["rewards"], torch.Tensor) and out["rewards"].dtype == torch.float32
+    assert out["rewards"].tolist() == pytest.approx(with_fallback(expected))
+    assert out["scores"].tolist() == out["rewards"].tolist()
+    assert out["extra_logs"]["unscorable"].tolist() == [0.0, 0.0, 1.0, 0.0]
+    # Without stripping, the chat markup would be part of the story and change the score.
+    assert out["rewards"][0].item() != pytest.approx(create_reward("repetition").score([queries[0]])[0])
+
+
+def test_reward_func_composite_components_and_labels(dhm_yaml):
+    labels = [HUMAN[0], {"reference": HUMAN[1], "story_id": "s1", "index": 7}, HUMAN[2],
+              {"reference": HUMAN[3], "images": np.array(["a.png", "b.png"])}]
+    out = reward_func(STORIES, ["" for _ in STORIES], labels, storyrl_config=dhm_yaml)
+    dhm = create_reward("dhm", dimensions=["repetition"])
+    expected = dhm.score(STORIES, reference=HUMAN)
+    assert out["rewards"].tolist() == pytest.approx(with_fallback(expected))
+    # The reward's per-sample components reach OpenRLHF's extra_logs.
+    rep = create_reward("repetition")
+    logs = out["extra_logs"]
+    assert logs["dhm/repetition"].tolist() == pytest.approx(with_fallback(rep.score(STORIES)))
+    assert logs["dhm/repetition/human"].tolist() == pytest.approx(with_fallback(rep.score(HUMAN)))
+    assert logs["unscorable"].tolist() == [float(math.isnan(v)) for v in expected]
+    assert all(len(v) == len(STORIES) for v in logs.values())
+
+
+def test_reward_func_config_and_fallback_from_environment(repetition_yaml, monkeypatch):
+    monkeypatch.setenv(core.CONFIG_ENV, repetition_yaml)
+    monkeypatch.setenv(core.FALLBACK_ENV, "-2.5")
+    before = core.STATS["fallback"]
+    out = reward_func(STORIES, None, None)
+    assert out["rewards"].tolist() == pytest.approx(with_fallback(create_reward("repetition").score(STORIES), -2.5))
+    assert core.STATS["fallback"] == before + 1
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda y: reward_func("a story", None, None, storyrl_config=y), TypeError, "query must be a list"),
+    (lambda y: reward_func(["a", "b"], ["p"], None, storyrl_config=y), ValueError, "prompts has 1 entries for 2"),
+    (lambda y: reward_func(["a"], None, ["x", "y"], storyrl_config=y), ValueError, "labels has 2 entries for 1"),
+    (lambda y: reward_func([3], None, None, storyrl_config=y), TypeError, r"query\[0\] must be a string"),
+    (lambda y: reward_func(["a"], None, [5], storyrl_config=y), TypeError, r"labels\[0\]: expected the human story"),
+    (lambda y: reward_func(["a"], None, [{"images": "x.png"}], storyrl_config=y), TypeError,
+     "'images' must be a list of strings"),
+    (lambda y: reward_func(["a"], None, None, storyrl_fallback=float("nan"), storyrl_config=y), ValueError,
+     "finite"),
+    (lambda y: reward_func(["a"], None, None), ValueError, "STORYRL_REWARD_CONFIG"),
+])
+def test_reward_func_rejects_bad_input_with_one_line(repetition_yaml, call, error, message):
+    with pytest.raises(error, match=message) as info:
+        call(repetition_yaml)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_config_file_is_a_value_error_naming_it(tmp_path):
+    bad = write(tmp_path, "bad.yaml", "reward: repetition\nchunk_size: -1\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        reward_func(["a"], None, None, storyrl_config=bad)
+
+
+def test_reward_is_built_once_per_process_and_file(repetition_yaml, monkeypatch):
+    loads = []
+    real = core.load_reward_config
+
+    def counting(path, *args, **kwargs):
+        loads.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(core, "load_reward_config", counting)
+    monkeypatch.setattr(core, "_REWARDS", {})
+    for _ in range(3):
+        reward_func(STORIES[:2], None, None, storyrl_config=repetition_yaml)
+        compute_score("vist", STORIES[0], None, storyrl_config=repetition_yaml)
+    monkeypatch.setenv(core.CONFIG_ENV, repetition_yaml)
+    assert core.reward_from_config() is core.reward_from_config(repetition_yaml)
+    assert len(loads) == 1
+
+
+# -- verl compute_score -------------------------------------------------------------
+
+
+def test_verl_compute_score_equals_reward_score(repetition_yaml):
+    expected = with_fallback(create_reward("repetition").score(STORIES), fallback=-1.0)
+    got = [compute_score("vist", s, h, {"story_id": str(i), "index": i}, storyrl_config=repetition_yaml,
+                         storyrl_fallback=-1.0, some_new_verl_kwarg=1)
+           for i, (s, h) in enumerate(zip(STORIES, HUMAN))]
+    assert all(type(v) is float for v in got)  # a plain reward: verl gets floats
+    assert got == pytest.approx(expected)
+    batch = compute_score_batch(data_sources=["vist"] * 4, solution_strs=STORIES, ground_truths=HUMAN,
+                                extra_infos=[None] * 4, storyrl_config=repetition_yaml, storyrl_fallback=-1.0)
+    assert batch == pytest.approx(expected)
+
+
+def test_verl_composite_reward_gives_dicts_with_score_and_components(dhm_yaml):
+    dhm = create_reward("dhm", dimensions=["repetition"])
+    rep = create_reward("repetition")
+    expected = dhm.score(STORIES, reference=HUMAN)
+    # ground truth as the human story, or as a mapping carrying it
+    truths = [HUMAN[0], {"reference": HUMAN[1]}, HUMAN[2], HUMAN[3]]
+    batch = compute_score_batch(["vist"] * 4, STORIES, truths, [{"story_id": f"s{i}"} for i in range(4)],
+                                storyrl_config=dhm_yaml)
+    single = [compute_score("vist", s, t, {"story_id": f"s{i}"}, storyrl_config=dhm_yaml)
+              for i, (s, t) in enumerate(zip(STORIES, truths))]
+    for results in (batch, single):
+        assert [r["score"] for r in results] == pytest.approx(with_fallback(expected))
+        assert [r["dhm/repetition"] for r in results] == pytest.approx(with_fallback(rep.score(STORIES)))
+        assert [r["unscorable"] for r in results] == [0.0, 0.0, 1.0, 0.0]
+        # verl stacks extra info per key: every sample has the same keys, none NaN
+        assert len({tuple(sorted(r)) for r in results}) == 1
+        assert all(math.isfinite(v) for r in results for v in r.values())
+    assert "score" in batch[0] and "dhm/repetition/distance" in batch[0]
+
+
+def test_verl_details_switch(repetition_yaml):
+    results = compute_score_batch(["v"] * 4, STORIES, None, None, storyrl_config=repetition_yaml,
+                                  storyrl_details=True)
+    assert [r["unscorable"] for r in results] == [0.0, 0.0, 1.0, 0.0]
+    assert set(results[0]) == {"score", "unscorable"}
+
+
+def test_verl_per_sample_refuses_batch_normalised_reward(tmp_path):
+    config = write(tmp_path, "w.yaml", "reward: weighted\ncomponents:\n"
+                   "  - {reward: repetition, weight: 1.0, normalize: batch}\n")
+    with pytest.raises(ValueError, match="compute_score_batch"):
+        compute_score("vist", STORIES[0], None, storyrl_config=config)
+    weighted = create_reward("weighted", components=[{"reward": "repetition", "weight": 1.0, "normalize": "batch"}])
+    expected = weighted.score(STORIES)
+    batch = compute_score_batch(["v"] * 4, STORIES, None, None, storyrl_config=config)
+    assert [r["score"] for r in batch] == pytest.approx(with_fallback(expected))
+    # an independent check of the batch z-score: (x - mean) / std over the scorable stories
+    raw = create_reward("repetition").score(STORIES)
+    ok = np.isfinite(raw)
+    assert np.asarray(expected)[ok] == pytest.approx((raw[ok] - raw[ok].mean()) / raw[ok].std())
+
+
+class _ContextSpy(Reward):
+    """Records the context each call gets; score = story length."""
+
+    name = "test_integrations_spy"
+
+    def _score_batch(self, stories, **context):
+        self.context = context
+        return np.array([float(len(s)) for s in stories])
+
+
+def test_verl_context_from_ground_truth_and_extra_info(monkeypatch):
+    spy = _ContextSpy()
+    monkeypatch.setattr(core, "reward_from_config", lambda config=None: spy)
+    extras = [
+        {"story_id": "a", "images": np.array(["1.png", "2.png"]), "index": 0},  # parquet lists come back as arrays
+        {"story_id": "b", "story_images": ["3.png"], "images": ["policy.png"], "image_ids": ["i3"],
+         "reference": "ignored: ground truth wins"},
+        None,
+    ]
+    out = compute_score_batch(["v"] * 3, ["x", "yy", "zzz"], ["H0", "H1", None], extras)
+    assert out == [1.0, 2.0, 3.0]
+    # a story's story_images are its images (Reward.__call__'s rule, per story); missing values are None
+    assert spy.context == {
+        "reference": ["H0", "H1", None],
+        "story_id": ["a", "b", None],
+        "images": [["1.png", "2.png"], ["3.png"], None],
+        "image_ids": [None, ["i3"], None],
+    }
+    with pytest.raises(ValueError, match="ground_truths has 2 entries for 3"):
+        compute_score_batch(["v"] * 3, ["x", "yy", "zzz"], ["H0", "H1"], None)
+    with pytest.raises(TypeError, match="sample 0: extra_info: 'story_id' must be a string"):
+        compute_score_batch(["v"], ["x"], None, [{"story_id": 3}])
+
+
+def test_verl_loads_the_module_file_as_verl_does(repetition_yaml):
+    # verl: spec_from_file_location("custom_module", custom_reward_function.path), then getattr(name)
+    spec = importlib.util.spec_from_file_location("custom_module", verl.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    got = module.compute_score("vist", STORIES[0], None, None, storyrl_config=repetition_yaml)
+    assert got == pytest.approx(create_reward("repetition").score(STORIES[:1])[0])
+    # and OpenRLHF: importlib on the file, then reward_func
+    spec = importlib.util.spec_from_file_location("reward_func", openrlhf.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.reward_func(STORIES[:1], None, None, storyrl_config=repetition_yaml)["rewards"].tolist() == \
+        pytest.approx([got])
