@@ -48,7 +48,8 @@ def _train_command(name: str, description: str) -> click.Command:
             result = trainer.train(config, resume=resume, progress=not quiet)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
-        click.echo(_json({
+        summary = getattr(result, "summary", None)  # trainers without epochs (rl) say what they did
+        click.echo(_json(summary() if callable(summary) else {
             "output_dir": config.output_dir,
             "best_epoch": result.best_epoch,
             "best_val_loss": result.best_val_loss,

@@ -35,3 +35,5 @@ TRAINERS.add("rovist_vg", "storyrl.training.rovist_vg:TRAINER",
              "RoViST-VG: the ViT/GloVe region-noun model of the rovist_vg reward.", aliases=("rovist-vg",))
 TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
              "TAPM-style storyteller: adaptation stage (decoder frozen), then downstream cross-entropy.")
+TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
+             "RL fine-tuning of a storyteller (causal LM, VLM or TAPM) against storyrl rewards: ppo, grpo or rloo.")

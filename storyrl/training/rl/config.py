@@ -1,0 +1,329 @@
+"""The RL run's options: :class:`RLConfig` (``storyrl train rl --config configs/rl/<name>.yaml``).
+
+One YAML file sets the policy, the data and its prompts, the rewards, and
+the algorithm's own options as a nested mapping: ``ppo`` (storyrl's
+:class:`~storyrl.training.rl.ppo_config.PPOConfig`), ``grpo`` / ``rloo``
+(TRL's ``GRPOConfig`` / ``RLOOConfig``, any of their keys).
+
+Which keys win: ``output_dir``, ``seed``, ``max_steps``, ``report_to`` and
+``reward_weights`` belong to the run, not to one algorithm. They are set at
+the top level only and flow into the algorithm's config; writing one of them
+inside ``ppo``/``grpo``/``rloo`` is an error (so no file says two things).
+Everything else -- learning rate, batch sizes, KL coefficient (``beta`` /
+``kl_coef``), generation length, ``multi_objective_aggregation``, saving and
+logging steps -- is the algorithm's key with the algorithm's default. Without
+CUDA the TRL configs default to ``use_cpu: true, bf16: false`` (TRL's own
+default, bf16, needs a GPU); on a GPU ``bf16`` defaults to what it supports.
+
+The resolved config is saved as ``<output_dir>/rl_config.yaml`` by
+:meth:`RLConfig.to_yaml`: the nested TRL configs keep only the keys that were
+given (``GRPOConfig.to_dict`` lists every derived value and does not load
+back), so the file reads back with :meth:`RLConfig.from_yaml`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+
+from trl import GRPOConfig, RLOOConfig
+
+from storyrl.config import Config, check_type, option
+from storyrl.models.runtime import PRECISIONS
+from storyrl.models.vlm import DEFAULT_VLM
+from storyrl.training.rl.ppo_config import TRACKERS, PPOConfig
+
+__all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "LoraOptions", "RLConfig"]
+
+ALGORITHMS = ("ppo", "grpo", "rloo")
+POLICIES = ("auto", "causal_lm", "vlm", "tapm")
+#: How the policy sees the image sequence (see RLConfig.setting).
+SETTINGS = ("auto", "visual", "separate", "text")
+_DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS (kept import-light)
+#: Run-level keys set at the top level and copied into the algorithm's config.
+FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
+#: The nested algorithm configs and their classes.
+_NESTED = {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig}
+# Attribute on a built nested config holding the keys the user gave (what is saved).
+_GIVEN = "_storyrl_given"
+
+
+@dataclass
+class LoraOptions(Config):
+    """LoRA adapters (peft ``LoraConfig``) instead of training every weight."""
+
+    _field_word = "key"
+
+    enabled: bool = option(False, "Train LoRA adapters; the base stays frozen and, with adapters disabled, is the "
+                           "KL reference (no second copy).")
+    r: int = option(16, "Adapter rank.", min=1)
+    alpha: int = option(32, "LoRA alpha (scale = alpha / r).", min=1)
+    dropout: float = option(0.05, "Dropout on the adapters' input.", min=0.0, max=1.0)
+    target_modules: list[str] | str = option(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             help="Module names that get adapters, or 'all-linear'.")
+    merge: bool = option(False, "Save final/ as merged full weights instead of the adapters (not with 4-bit).")
+
+
+@dataclass(kw_only=True)
+class RLConfig(Config):
+    """Settings of :func:`storyrl.training.rl.train.train` (module docs)."""
+
+    _field_word = "key"
+
+    # -- algorithm and run ----------------------------------------------------------
+    algorithm: str = option("grpo", "ppo (storyrl's, on accelerate), grpo or rloo (TRL's trainers).",
+                            choices=ALGORITHMS)
+    output_dir: str = option(help="Checkpoints, rl_config.yaml, history.jsonl, samples.jsonl and final/.",
+                             path="new-dir")
+    seed: int = option(0, "Seed of the run (data order, sampling, adapter initialisation).")
+    max_steps: int | None = option(None, "Optimisation steps to run (GRPO/RLOO: optimizer steps; PPO: rollout + "
+                                   "update steps); default: the algorithm's epochs over the data.", min=1)
+    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
+    # -- policy -------------------------------------------------------------------
+    model: str = option(DEFAULT_VLM, "Policy: hub name or local directory of a causal LM, an image-text-to-text "
+                        "model or a trained TAPM directory.")
+    policy: str = option("auto", "Policy kind; auto reads the model's config (TAPM directory -> tapm, "
+                         "image-text-to-text -> vlm, else causal_lm).", choices=POLICIES)
+    revision: str | None = option(None, "Hub revision of the model (branch, tag or commit).")
+    precision: str = option("auto", "Weights dtype: auto = bf16 on a CUDA GPU that supports it, else fp32.",
+                            choices=PRECISIONS)
+    load_in_4bit: bool = option(False, "Load the base model in 4 bit (bitsandbytes NF4, CUDA); needs LoRA.")
+    lora: LoraOptions = option(factory=LoraOptions, help="LoRA adapters: enabled, r, alpha, dropout, "
+                               "target_modules, merge.", cli=False)
+    freeze_vision_tower: bool = option(True, "VLM policies: the vision encoder does not train (nor gets adapters).")
+    # -- data and prompts -----------------------------------------------------------
+    data: str = option(help="Image sequences with their human stories: VIST story-in-sequence JSON, VWP CSV or "
+                       "storyrl JSONL records.", path="file")
+    data_format: str = option("auto", "Format of data.", choices=_DATA_FORMATS)
+    image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
+                                    path="dir")
+    limit: int | None = option(None, "Only the first N sequences of data.", min=1)
+    setting: str = option("auto", "What the policy sees: visual = the sequence as one image (the generators' "
+                          "visual setting), separate = each image, text = the prompt only; auto = visual for "
+                          "VLMs, text otherwise.", choices=SETTINGS)
+    prompt: str = option("P3", "Visual prompt name in the prompts file ({n} = the number of images).")
+    prompts_file: str | None = option(None, "Prompt templates YAML (default: configs/prompts/dhm.yaml).", path="file")
+    fill_count: bool = option(True, "Fill the sentence count in as a word; false sends the authors' 'N'.")
+    sequence_image_size: str | None = option(None, "Resize each image to WIDTHxHEIGHT in the sequence image.")
+    sequence_image_dir: str | None = option(None, "Ready sequence images <story_id>.png or seq_<story_id>.png.",
+                                            path="dir")
+    # -- rewards ------------------------------------------------------------------
+    rewards: list[str | dict[str, Any]] = option(help="Rewards (TRL reward functions): registered names, reward "
+                                                 "config YAML paths or mappings {reward: <name>, <option>: ...}.")
+    reward_weights: list[float] | None = option(None, "One weight per reward (default: all 1).")
+    # -- the algorithms' own options -------------------------------------------------
+    ppo: PPOConfig | None = option(None, "storyrl PPOConfig keys (algorithm ppo).", cli=False)
+    grpo: GRPOConfig | None = option(None, "TRL GRPOConfig keys (algorithm grpo).", cli=False)
+    rloo: RLOOConfig | None = option(None, "TRL RLOOConfig keys (algorithm rloo).", cli=False)
+
+    def __post_init__(self) -> None:
+        # The nested configs are built here, not by the generic nested path,
+        # so that the run-level keys flow into them and the given keys are
+        # remembered (what rl_config.yaml keeps).
+        label = self._label()
+        for name in ("output_dir", "seed", "max_steps", "report_to", "reward_weights", "algorithm"):
+            info = next(i for i in _infos(type(self)) if i.name == name)
+            try:
+                setattr(self, name, check_type(getattr(self, name), info.type))
+            except TypeError as exc:
+                raise TypeError(f"{label}: key {name!r}: {exc}") from None
+        for name, cls in _NESTED.items():
+            value = getattr(self, name)
+            if value is None and name != self.algorithm:
+                continue
+            setattr(self, name, self._nested(name, cls, value))
+        super().__post_init__()
+
+    def _nested(self, name: str, cls: type, value: Any) -> Any:
+        label = self._label()
+        if value is None:
+            given = {}
+        elif isinstance(value, Mapping):
+            given = dict(value)
+        elif isinstance(value, cls):
+            given = getattr(value, _GIVEN, None)
+            if given is None:
+                given = _changed_keys(value, self._flowed(cls))
+        else:
+            raise TypeError(f"{label}: key {name!r}: expected a mapping of {cls.__name__} keys, "
+                            f"got {type(value).__name__}")
+        owned = [k for k in FLOWED_KEYS if k in given]
+        if owned:
+            raise ValueError(f"{label}: {name}: set {', '.join(owned)} at the top level (it applies to the whole "
+                             f"run), not inside {name}")
+        try:
+            built = cls.from_mapping({**given, **self._flowed(cls)}) if issubclass(cls, Config) else \
+                cls(**{**self._device_defaults(given), **given, **self._flowed(cls)})
+        except TypeError as exc:
+            message = str(exc)
+            if "unexpected keyword argument" in message:
+                key = message.rsplit(" ", 1)[-1].strip("'")
+                message = f"unknown key {key!r} (see TRL's {cls.__name__})"
+            raise ValueError(f"{label}: {name}: {message}") from None
+        except ValueError as exc:
+            raise ValueError(f"{label}: {name}: {' '.join(str(exc).split())}") from None
+        object.__setattr__(built, _GIVEN, given)
+        return built
+
+    def _flowed(self, cls: type) -> dict[str, Any]:
+        if cls is PPOConfig:
+            return {"output_dir": self.output_dir, "seed": self.seed, "max_steps": self.max_steps,
+                    "report_to": self.report_to}
+        return {"output_dir": self.output_dir, "seed": self.seed,
+                "max_steps": -1 if self.max_steps is None else self.max_steps,
+                "report_to": self.report_to, "reward_weights": self.reward_weights}
+
+    @staticmethod
+    def _device_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
+        """TRL's mixed-precision default (bf16) needs a GPU: without CUDA the
+        TRL configs run on the CPU in fp32 unless the file says otherwise."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return {"use_cpu": True, "bf16": False}
+        if "fp16" in given:
+            return {}
+        return {"bf16": bool(torch.cuda.is_bf16_supported())}
+
+    def _problems(self) -> list[str]:
+        problems = []
+        if not self.rewards:
+            problems.append("rewards: give at least one reward")
+        names = []
+        for i, entry in enumerate(self.rewards):
+            try:
+                names.append(_reward(entry).__name__)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"rewards[{i}]: {' '.join(str(exc).split())}")
+        problems += [f"rewards: two rewards named {n!r} (TRL logs rewards by name); give one a different setting"
+                     for n in sorted({n for n in names if names.count(n) > 1})]
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            problems.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards")
+        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
+                     if t not in TRACKERS]
+        if not Path(self.data).is_file():
+            problems.append(f"data: no such file {self.data}")
+        if self.load_in_4bit and not self.lora.enabled:
+            problems.append("load_in_4bit: a 4-bit base trains through LoRA adapters only; set lora.enabled: true")
+        if self.load_in_4bit and self.lora.merge:
+            problems.append("lora.merge: adapters are not merged into a 4-bit base; save them (merge: false)")
+        try:
+            self.prompting_config().template()
+        except (TypeError, ValueError) as exc:
+            problems.append(str(exc).replace("PromptingConfig: ", ""))
+        kind = self.policy_kind(read_hub=False)
+        if kind == "tapm":
+            if self.algorithm != "ppo":
+                problems.append(f"algorithm {self.algorithm}: a TAPM policy trains with ppo only (TRL's trainers "
+                                "drive a model by input_ids alone; TAPM needs its visual features)")
+            if self.lora.enabled or self.load_in_4bit:
+                problems.append("lora/load_in_4bit: a TAPM policy keeps the adapters and quantisation it was "
+                                "trained with (storyrl train tapm); leave them off here")
+        if kind in ("causal_lm", "tapm") and self.setting in ("visual", "separate"):
+            problems.append(f"setting {self.setting}: a {kind} policy sees no images; use setting text (or auto)")
+        return problems
+
+    # -- derived ----------------------------------------------------------------------
+    def algorithm_config(self) -> Any:
+        """The config of the chosen algorithm (PPOConfig, GRPOConfig or RLOOConfig)."""
+        return getattr(self, self.algorithm)
+
+    def policy_kind(self, read_hub: bool = True) -> str | None:
+        """``causal_lm``, ``vlm`` or ``tapm``: ``policy`` unless auto, else read
+        from the model's config (a hub model only with ``read_hub``; None if
+        it cannot be told)."""
+        if self.policy != "auto":
+            return self.policy
+        from storyrl.training.rl.policy import detect_policy
+
+        return detect_policy(self.model, self.revision, read_hub=read_hub)
+
+    def resolved_setting(self, kind: str) -> str:
+        """The setting for a policy of ``kind``: auto = visual for VLMs, text otherwise."""
+        if self.setting != "auto":
+            return self.setting
+        return "visual" if kind == "vlm" else "text"
+
+    def prompting_config(self) -> Any:
+        """The generators' prompting options for the prompts (templates, sequence images)."""
+        from storyrl.generators.prompting import PromptingConfig
+
+        return PromptingConfig(model=self.model, setting="visual", prompt=self.prompt,
+                               prompts_file=self.prompts_file, fill_count=self.fill_count,
+                               image_root=self.image_root, sequence_image_size=self.sequence_image_size,
+                               sequence_image_dir=self.sequence_image_dir)
+
+    def build_rewards(self) -> list[Any]:
+        """The storyrl rewards of ``rewards``, in order (no model loaded yet)."""
+        return [_reward(entry) for entry in self.rewards]
+
+    # -- saving -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for info in _infos(type(self)):
+            value = getattr(self, info.name)
+            if info.name in _NESTED:
+                out[info.name] = None if value is None else _plain(getattr(value, _GIVEN, None) or {})
+            elif isinstance(value, Config):
+                out[info.name] = value.to_dict()
+            else:
+                out[info.name] = _plain(value)
+        return out
+
+
+def _infos(cls: type):
+    from storyrl.config import option_info
+
+    return option_info(cls)
+
+
+def _reward(entry: str | Mapping[str, Any]) -> Any:
+    """A reward from a registered name, a reward config file or an inline
+    ``{reward: name, ...}`` mapping (the composite rewards' component specs)."""
+    from storyrl.rewards.composite import build_reward
+
+    return build_reward(entry)
+
+
+def _changed_keys(value: Any, flowed: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of a TRL config built in Python that differ from a default
+    one (its given keys are not recorded): the derived generation batch
+    settings are kept only where they cannot be derived again."""
+    if isinstance(value, Config):
+        default = type(value)()
+        return {k: v for k, v in value.to_dict().items() if k not in FLOWED_KEYS and v != getattr(default, k)}
+    base = {**RLConfig._device_defaults({}), **flowed}
+    default = type(value)(**base)
+    out = {}
+    for f in dataclasses.fields(value):
+        if not f.init or f.name in FLOWED_KEYS:
+            continue
+        mine, theirs = getattr(value, f.name), getattr(default, f.name)
+        if mine != theirs:
+            out[f.name] = mine.value if isinstance(mine, enum.Enum) else mine
+    if "generation_batch_size" in out or "steps_per_generation" in out:
+        # TRL derives one from the other and refuses both.
+        out.pop("steps_per_generation", None)
+        out["generation_batch_size"] = value.generation_batch_size
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """YAML-safe plain values (enums by value, tuples as lists)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return json.loads(json.dumps(value, default=str))

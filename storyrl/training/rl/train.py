@@ -1,0 +1,120 @@
+"""``storyrl train rl``: one RL run from an :class:`RLConfig`.
+
+:func:`train` loads the policy (:mod:`storyrl.training.rl.policy`), builds
+the prompt dataset (:mod:`storyrl.training.rl.data`) and the rewards (their
+models load before training starts, so a broken reward fails at once), saves
+the resolved config as ``OUTPUT_DIR/rl_config.yaml`` and runs the algorithm:
+``grpo``/``rloo`` through TRL (:mod:`storyrl.training.rl.trl_trainers`),
+``ppo`` through storyrl's :class:`~storyrl.training.rl.ppo.PPOTrainer`. The
+trained policy lands in ``OUTPUT_DIR/final/``.
+
+``resume`` continues from the latest checkpoint in ``OUTPUT_DIR`` (a run
+without one starts from the beginning, with a warning), with the same state
+as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from storyrl.training import Trainer
+from storyrl.training.rl.config import RLConfig
+
+__all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "train"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "rl_config.yaml"
+
+
+@dataclass
+class RLResult:
+    """What a run did: optimisation steps done in total, the log history
+    (one dict per logged step) and where the policy is."""
+
+    algorithm: str
+    output_dir: str
+    steps: int
+    history: list[dict] = field(default_factory=list)
+
+    @property
+    def final_dir(self) -> str:
+        return str(Path(self.output_dir) / "final")
+
+    def summary(self) -> dict[str, Any]:
+        """The command's JSON line: directories, steps and the last logged reward."""
+        rewards = [e["reward"] for e in self.history if isinstance(e.get("reward"), (int, float))]
+        last = rewards[-1] if rewards and math.isfinite(rewards[-1]) else None
+        return {"algorithm": self.algorithm, "output_dir": self.output_dir, "final": self.final_dir,
+                "steps": self.steps, "last_reward": last}
+
+
+def _save_config(config: RLConfig, resume: bool) -> None:
+    from accelerate import PartialState
+
+    if not PartialState().is_main_process:
+        return
+    path = Path(config.output_dir) / CONFIG_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if resume and path.is_file():
+        try:
+            before = RLConfig.from_yaml(path).to_dict()
+        except (TypeError, ValueError) as exc:
+            logger.warning("%s: cannot read the saved config (%s); it is replaced", path, exc)
+        else:
+            changed = sorted(k for k, v in config.to_dict().items() if before.get(k) != v and k != "max_steps")
+            if changed:
+                logger.warning("resume: the config differs from the saved one in %s", ", ".join(changed))
+    config.to_yaml(path)
+
+
+def train(config: RLConfig, resume: bool = False, progress: bool = True, callbacks: list | None = None) -> RLResult:
+    """Run the RL fine-tuning of ``config`` (module docs). ``callbacks`` are
+    extra transformers ``TrainerCallback`` objects for the TRL trainers."""
+    import storyrl  # noqa: F401  (torchvision fallback before transformers)
+
+    from storyrl.training.rl.data import build_dataset
+    from storyrl.training.rl.policy import load_policy
+
+    kind = config.policy_kind()
+    if kind == "tapm" and config.algorithm != "ppo":
+        raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
+    rewards = config.build_rewards()
+    for reward in rewards:
+        reward.setup()
+    policy = load_policy(config, kind)
+    dataset = build_dataset(config, kind, policy.processing_class)
+    _save_config(config, resume)
+    if config.algorithm == "ppo":
+        return _train_ppo(config, policy, dataset, rewards, resume, progress)
+    from storyrl.training.rl.trl_trainers import train_trl
+
+    trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
+    return RLResult(config.algorithm, config.output_dir, trainer.state.global_step, list(trainer.state.log_history))
+
+
+def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool) -> RLResult:
+    from storyrl.training.rl.policy import lora_config
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    trainer = PPOTrainer(
+        model=policy.model,
+        reward_funcs=rewards,
+        args=config.ppo,
+        train_dataset=dataset,
+        processing_class=policy.processing_class,
+        peft_config=lora_config(config, policy.kind),
+        reward_weights=config.reward_weights,
+    )
+    result = trainer.train(resume=resume)
+    final = Path(config.output_dir) / "final"
+    trainer.save_model(str(final))
+    config.to_yaml(final / CONFIG_FILE) if final.is_dir() else None
+    return RLResult("ppo", config.output_dir, result.steps, list(result.history))
+
+
+TRAINER = Trainer(RLConfig, train)

@@ -1,0 +1,219 @@
+"""GRPO and RLOO through TRL's trainers, with storyrl rewards and the story
+monitor.
+
+* The rewards are TRL reward functions as they are (``reward_weights`` and,
+  for GRPO, ``multi_objective_aggregation`` come from the config); each is
+  wrapped by :class:`StoryMonitor` so that every step also logs the story
+  statistics of :func:`storyrl.training.rl.monitor.story_stats` through
+  TRL's ``log_metric`` (``story/...`` next to ``rewards/<name>/mean``, ``kl``,
+  ...) and appends a few sample stories, with each reward's value and the
+  weighted total, to ``OUTPUT_DIR/samples.jsonl``. The wrappers keep each
+  reward's ``__name__`` (TRL's column name).
+* ``processing_class`` is the tokenizer or, for a VLM, the processor; LoRA is
+  TRL's ``peft_config`` (no reference copy: adapters disabled).
+* Checkpoints are TRL's ``OUTPUT_DIR/checkpoint-<step>/``; ``resume``
+  continues from the latest with ``resume_from_checkpoint`` (model,
+  optimizer, scheduler, RNG and data position restored by transformers).
+* Every log entry is also a line of ``OUTPUT_DIR/history.jsonl`` (rewritten
+  from the restored state on resume, so it never holds an entry twice).
+* The final policy goes to ``OUTPUT_DIR/final/`` with its tokenizer or
+  processor: the LoRA adapters, or merged weights with ``lora.merge``.
+
+TAPM policies are refused (see :class:`~storyrl.training.rl.config.RLConfig`):
+both TRL trainers patch the forward of a ``PreTrainedModel`` driven by
+``input_ids`` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+
+from transformers import TrainerCallback
+
+from storyrl.training.rl.monitor import sample_stories, story_stats
+
+__all__ = ["HISTORY", "SAMPLES", "HistoryCallback", "MonitoredReward", "StoryMonitor", "train_trl"]
+
+logger = logging.getLogger(__name__)
+
+HISTORY = "history.jsonl"
+SAMPLES = "samples.jsonl"
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class StoryMonitor:
+    """Logs the signs of reward hacking from inside the reward calls of one
+    step: the first reward's call logs the story statistics through
+    ``log_metric``; the last one writes ``num_samples`` sample stories with
+    every reward's value and the weighted total (None when no weighted reward
+    scored it) to ``samples_path`` (main process only)."""
+
+    def __init__(self, weights: Sequence[float], samples_path: str | Path | None, num_samples: int = 3,
+                 is_main: bool = True) -> None:
+        self.weights = list(weights)
+        self.samples_path = Path(samples_path) if samples_path is not None else None
+        self.num_samples = num_samples
+        self.is_main = is_main
+        self._texts: list[str | None] = []
+        self._values: dict[int, list] = {}
+        self.names: list[str] = []
+
+    def wrap(self, rewards: Sequence[Any]) -> list[MonitoredReward]:
+        if len(rewards) != len(self.weights):
+            raise ValueError(f"{len(self.weights)} reward weights for {len(rewards)} rewards")
+        wrapped = [MonitoredReward(r, i, self) for i, r in enumerate(rewards)]
+        self.names = [w.__name__ for w in wrapped]
+        return wrapped
+
+    def record(self, index: int, completions: Sequence[Any], values: Sequence[float | None],
+               kwargs: dict[str, Any]) -> None:
+        from storyrl.rewards import completion_text
+
+        if index == 0:
+            self._texts = [completion_text(c) for c in completions]
+            self._values = {}
+            ids = kwargs.get("completion_ids")
+            lengths = [len(i) for i in ids] if ids is not None else None
+            log_metric = kwargs.get("log_metric")
+            if callable(log_metric):
+                for name, value in story_stats(self._texts, lengths).items():
+                    if math.isfinite(value):  # distinct-n of a batch without n-grams is NaN
+                        log_metric(name, value)
+        self._values[index] = list(values)
+        if index == len(self.weights) - 1:
+            self._write_samples(kwargs.get("trainer_state"))
+
+    def totals(self) -> list[float | None]:
+        """The weighted sum per story, as TRL forms it (None rewards left out;
+        None when every weighted reward is None)."""
+        out = []
+        for k in range(len(self._texts)):
+            terms = [(w, self._values[i][k]) for i, w in enumerate(self.weights) if i in self._values]
+            scored = [w * v for w, v in terms if v is not None]
+            out.append(sum(scored) if scored else None)
+        return out
+
+    def _write_samples(self, state: Any) -> None:
+        if not self.is_main or self.num_samples == 0:
+            return
+        totals = self.totals()
+        samples = sample_stories(self._texts, [math.nan if t is None else t for t in totals], self.num_samples)
+        for k, sample in enumerate(samples):
+            sample["rewards"] = {name: _finite_or_none(self._values[i][k]) for i, name in enumerate(self.names)}
+        step = getattr(state, "global_step", None)
+        if samples:
+            logger.info("step %s: sample story (reward %s): %s", step, samples[0]["reward"], samples[0]["story"][:300])
+        if self.samples_path is not None:
+            self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.samples_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "samples": samples}, ensure_ascii=False) + "\n")
+
+
+class MonitoredReward:
+    """A reward function that reports its values to the :class:`StoryMonitor`;
+    TRL sees the wrapped reward's ``__name__``."""
+
+    def __init__(self, reward: Any, index: int, monitor: StoryMonitor) -> None:
+        self.reward, self.index, self.monitor = reward, index, monitor
+        self.__name__ = getattr(reward, "__name__", type(reward).__name__)
+
+    def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
+        values = self.reward(prompts=prompts, completions=completions, **kwargs)
+        self.monitor.record(self.index, completions, values, kwargs)
+        return values
+
+
+class HistoryCallback(TrainerCallback):
+    """``history.jsonl``: one line per log entry (main process); on (re)start
+    it is rewritten from the trainer's restored log history and
+    ``samples.jsonl`` is cut back to the steps before the checkpoint."""
+
+    def __init__(self, output_dir: str | Path) -> None:
+        self.history = Path(output_dir) / HISTORY
+        self.samples = Path(output_dir) / SAMPLES
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        self.history.parent.mkdir(parents=True, exist_ok=True)
+        self.history.write_text("".join(_line(entry) for entry in state.log_history), encoding="utf-8")
+        if self.samples.exists():
+            kept = [line for line in self.samples.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and (json.loads(line).get("step") or 0) < state.global_step]
+            self.samples.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs is not None:
+            with self.history.open("a", encoding="utf-8") as f:
+                f.write(_line({**logs, "step": state.global_step}))
+
+
+def _line(entry: dict) -> str:
+    return json.dumps({k: _finite_or_none(v) for k, v in entry.items()}, ensure_ascii=False) + "\n"
+
+
+def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = False, progress: bool = True,
+              callbacks: Sequence[Any] | None = None) -> Any:
+    """Run TRL's GRPOTrainer or RLOOTrainer for ``config.algorithm``; returns
+    the trainer after saving ``final/``."""
+    from transformers.trainer_utils import get_last_checkpoint
+    from trl import GRPOTrainer, RLOOTrainer
+
+    from storyrl.training.rl.policy import lora_config
+
+    if policy.kind == "tapm":
+        raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
+    args = config.algorithm_config()
+    if not progress:
+        args.disable_tqdm = True
+    output_dir = Path(config.output_dir)
+    checkpoint = None
+    if resume:
+        checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+        if checkpoint is None:
+            logger.warning("resume: no checkpoint-<step>/ in %s; starting from the beginning", output_dir)
+    weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(rewards)
+    is_main = args.process_index == 0
+    monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
+    if not resume and is_main and (output_dir / SAMPLES).exists():
+        (output_dir / SAMPLES).unlink()  # a fresh run's samples only
+    trainer_class = GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer
+    trainer = trainer_class(
+        model=policy.model,
+        reward_funcs=monitor.wrap(rewards),
+        args=args,
+        train_dataset=dataset,
+        processing_class=policy.processing_class,
+        peft_config=lora_config(config, policy.kind),
+        callbacks=[HistoryCallback(output_dir), *(callbacks or [])],
+    )
+    trainer.train(resume_from_checkpoint=checkpoint)
+    save_final(config, trainer, output_dir / "final")
+    return trainer
+
+
+def save_final(config, trainer, final: Path) -> None:
+    """The trained policy in ``final``: adapters (or merged weights with
+    ``lora.merge``) or full weights, with the tokenizer/processor and the
+    run's rl_config.yaml."""
+    if config.lora.enabled and config.lora.merge:
+        model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        if trainer.is_world_process_zero():
+            model.save_pretrained(final)
+            trainer.processing_class.save_pretrained(final)
+    else:
+        trainer.save_model(str(final))  # the processing class too
+    if trainer.is_world_process_zero():
+        config.to_yaml(final / "rl_config.yaml")
