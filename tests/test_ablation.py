@@ -85,7 +85,7 @@ def _config(assets, out: Path, **changes) -> dict:
 
 
 def _write(path: Path, config: dict) -> Path:
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
@@ -218,8 +218,8 @@ def test_a_changed_story_file_is_an_error_and_overwrite_rescores_only_it(assets,
     changed.write_text(json.dumps({**STORIES["no_R"], "s1": "We ate. We slept."}))
     stories = {"all_dims": str(assets["files"]["all_dims"]), "no_R": str(changed)}
     spy = Spy(monkeypatch)
-    with pytest.raises(ValueError, match=r"^variant no_R: its story file changed since it ran \(.*variant.json\); "
-                                         r"use --overwrite to redo it"):
+    with pytest.raises(ValueError, match=r"^variant no_R changed since it ran \(.*no_R/variant.json\): its story "
+                                         r"file .*no_R.json has other content; use --overwrite to redo it"):
         _run(assets, out, stories=stories)
     assert spy.scored == []
     # the same content elsewhere is the same variant
@@ -320,3 +320,172 @@ def test_shipped_story_files_config_loads(monkeypatch):
     config = AblationConfig.from_yaml("configs/ablations/story_files.yaml")
     assert config.stories and not config.variants
     assert config.eval.dims() == ["groovist", "coherence", "repetition"]
+
+
+# -- training mode: the RL orchestration replaced by fakes ---------------------------------------
+
+#: What each fake policy writes: its variant's story for a sequence (None: the generation failed).
+FAKE_STORIES = {
+    "rep": lambda sid: "The dog ran. The dog ran. The dog ran.",
+    "mix": lambda sid: None if sid == "s2" else HUMAN[sid].replace("The", "A"),
+}
+
+
+class FakeRL:
+    """``train`` and ``generate_stories`` of storyrl.training.rl standing in
+    for the real ones: they record their calls; train writes ``final/`` (and
+    a checkpoint first; ``fail`` makes it die after the checkpoint, as a kill
+    would); generation writes each variant's FAKE_STORIES."""
+
+    def __init__(self, monkeypatch, fail: bool = False, fail_generation_after: int | None = None) -> None:
+        import storyrl.training.rl.policy as policy
+        import storyrl.training.rl.train as train
+
+        self.trained: list[tuple[str, list, bool]] = []
+        self.generated: list[tuple[str, list[str], int]] = []
+
+        def fake_train(config, resume=False, progress=True):
+            out = Path(config.output_dir)
+            self.trained.append((out.parent.name, config, resume))
+            (out / "checkpoint-1").mkdir(parents=True, exist_ok=True)
+            if fail:
+                raise KeyboardInterrupt
+            (out / "final").mkdir()
+            (out / "final" / "variant").write_text(out.parent.name)
+
+        def fake_generate(config, policy_dir, records, batch_size=8):
+            if fail_generation_after is not None and len(self.generated) >= fail_generation_after:
+                raise KeyboardInterrupt
+            name = (Path(policy_dir) / "variant").read_text()
+            self.generated.append((name, [r.story_id for r in records], batch_size))
+            assert Path(policy_dir) == Path(config.output_dir) / "final"
+            return {r.story_id: FAKE_STORIES[name](r.story_id) for r in records}
+
+        monkeypatch.setattr(train, "train", fake_train)
+        monkeypatch.setattr(policy, "generate_stories", fake_generate)
+
+
+def _train_config(assets, out: Path, **changes) -> dict:
+    base = {"model": "tiny", "policy": "causal_lm", "data": str(assets["data"]), "rewards": ["repetition"],
+            "max_steps": 2, "grpo": {"learning_rate": 1e-5, "max_completion_length": 8, "num_generations": 2}}
+    config = {"output_dir": str(out), "train": base,
+              "variants": {"rep": {}, "mix": {"rewards": ["repetition", {"reward": "dhm", "dimensions": ["repetition"]}],
+                                              "reward_weights": [1.0, 0.5]}},
+              "eval": {"data": str(assets["data"]), "metrics": [REPETITION], "save_every": 3,
+                       "generation_batch_size": 2}}
+    config.update(changes)
+    return config
+
+
+def _run_training(assets, out: Path, only=None, overwrite=False, **changes):
+    from storyrl.eval.ablation import AblationConfig, run_ablation
+
+    path = _write(out.parent / f"{out.name}.yaml", _train_config(assets, out, **changes))
+    return run_ablation(AblationConfig.from_yaml(path), progress=False, only=only, overwrite=overwrite)
+
+
+@pytest.fixture(scope="module")
+def trained(assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "out"
+    with pytest.MonkeyPatch.context() as patch:
+        fake = FakeRL(patch)
+        result = _run_training(assets, out)
+    return out, result, fake
+
+
+def test_each_variant_trains_the_same_config_with_its_rewards_then_generates(assets, trained):
+    out, result, fake = trained
+    assert [(name, resume) for name, _, resume in fake.trained] == [("rep", False), ("mix", False)]
+    rep, mix = (config for _, config, _ in fake.trained)
+    assert rep.output_dir == str(out / "variants" / "rep" / "train")
+    assert (rep.rewards, rep.reward_weights) == (["repetition"], None)
+    assert mix.rewards == ["repetition", {"reward": "dhm", "dimensions": ["repetition"]}]
+    assert mix.reward_weights == [1.0, 0.5] and mix.grpo.reward_weights == [1.0, 0.5]
+    for config in (rep, mix):  # everything else is the base config
+        assert (config.model, config.max_steps, config.grpo.learning_rate, config.grpo.num_generations) == (
+            "tiny", 2, 1e-5, 2)
+    # save_every 3: two generate_stories calls per variant (one policy load each), batch size 2
+    assert fake.generated == [("rep", ["s0", "s1", "s2"], 2), ("rep", ["s3"], 2),
+                              ("mix", ["s0", "s1", "s2"], 2), ("mix", ["s3"], 2)]
+    stories = json.loads((out / "variants" / "mix" / "stories.json").read_text())
+    meta = json.loads((out / "variants" / "mix" / "stories.meta.json").read_text())
+    assert stories == {sid: FAKE_STORIES["mix"](sid) for sid in ("s0", "s1", "s3")}
+    assert meta["complete"] is True and meta["generator"] == "rl_policy" and list(meta["failures"]) == ["s2"]
+    assert meta["options"]["policy"] == str(out / "variants" / "mix" / "train" / "final")
+    assert meta["inputs"]["variant"] == "mix"
+
+
+def test_training_mode_table_equals_numpy(assets, trained):
+    from storyrl.rewards import create_reward
+
+    repetition = create_reward("repetition")
+    human = {sid: float(v) for sid, v in zip(HUMAN, repetition.score([HUMAN["s0"], REFERENCE_S1, *list(HUMAN.values())[2:]]))}
+    for row in trained[1].variants:
+        ids = [sid for sid in HUMAN if FAKE_STORIES[row.variant](sid) is not None]
+        model = dict(zip(ids, map(float, repetition.score([FAKE_STORIES[row.variant](s) for s in ids]))))
+        counted = [s for s in ids if np.isfinite([human[s], model[s]]).all()]
+        d = float(np.mean([abs(human[s] - model[s]) for s in counted]))
+        assert (row.stories, row.failures, row.n) == (len(ids), 4 - len(ids), len(counted))
+        assert row.means["repetition"] == pytest.approx(float(np.nanmean(list(model.values()))), rel=1e-12)
+        assert row.distances == pytest.approx({"repetition": d}, rel=1e-12) and row.d_hm == pytest.approx(d, rel=1e-12)
+    assert trained[1].row("mix").failures == 1
+
+
+def test_rerun_trains_generates_and_scores_nothing(assets, trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(trained[0], out)
+    before = _stamps(out)
+    fake, spy = FakeRL(monkeypatch), Spy(monkeypatch)
+    again = _run_training(assets, out)
+    assert (fake.trained, fake.generated, spy.scored) == ([], [], [])
+    assert _stamps(out) == before and again.markdown == trained[1].markdown
+
+
+def test_interrupted_training_and_generation_continue(assets, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    fake = FakeRL(monkeypatch, fail=True)
+    with pytest.raises(KeyboardInterrupt):
+        _run_training(assets, out, only=["rep"])
+    assert [(n, r) for n, _, r in fake.trained] == [("rep", False)]
+    fake = FakeRL(monkeypatch, fail_generation_after=1)  # dies after the first saved part of the stories
+    with pytest.raises(KeyboardInterrupt):
+        _run_training(assets, out, only=["rep"])
+    assert [(n, r) for n, _, r in fake.trained] == [("rep", True)]  # resumed from its checkpoint
+    fake = FakeRL(monkeypatch)
+    result = _run_training(assets, out, only=["rep"])
+    assert fake.trained == [] and fake.generated == [("rep", ["s3"], 2)]
+    assert [v.variant for v in result.variants] == ["rep"]  # mix never ran: not in the table
+
+
+def test_a_changed_variant_is_an_error_and_overwrite_retrains_only_it(assets, trained, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(trained[0], out)
+    variants = _train_config(assets, out)["variants"]
+    variants["mix"]["reward_weights"] = [1.0, 0.25]
+    fake, spy = FakeRL(monkeypatch), Spy(monkeypatch)
+    with pytest.raises(ValueError, match=r"^variant mix changed since it ran \(.*mix/variant.json\): "
+                                         r"train.reward_weights\[1\]: 0.5 -> 0.25; use --overwrite to redo it"):
+        _run_training(assets, out, variants=variants)
+    assert (fake.trained, fake.generated, spy.scored) == ([], [], [])
+    _run_training(assets, out, variants=variants, overwrite=True)
+    assert [(n, r) for n, _, r in fake.trained] == [("mix", False)] and fake.trained[0][1].reward_weights == [1.0, 0.25]
+    assert [n for n, _, _ in fake.generated] == ["mix", "mix"]
+    # a change of the shared training changes every variant
+    base = {**_train_config(assets, out)["train"], "max_steps": 3}
+    with pytest.raises(ValueError, match=r"^variant rep changed since it ran .*: train.max_steps: 2 -> 3;"):
+        _run_training(assets, out, variants=variants, train=base)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"variants": {"a": {"learning_rate": 1.0}}}, r"variants.a: 'learning_rate' is not a reward option"),
+    ({"variants": {"a": {"rewards": ["fluency"]}}}, r"variants.a: .*rewards\[0\]: .*fluency"),
+    ({"variants": {"a": {"reward_weights": [1.0, 2.0]}}}, r"variants.a: .*reward_weights: 2 weights for 1 rewards"),
+    ({"train": None}, r"variants: give train"),
+    ({"train": "configs/rl/nope.yaml"}, r"train: no such RL config file configs/rl/nope.yaml"),
+])
+def test_training_config_errors_name_the_file_and_the_key(assets, tmp_path, change, message):
+    from storyrl.eval.ablation import AblationConfig
+
+    path = _write(tmp_path / "bad.yaml", _train_config(assets, tmp_path / "out", **change))
+    with pytest.raises(ValueError, match=f"^{path}: .*{message}"):
+        AblationConfig.from_yaml(path)

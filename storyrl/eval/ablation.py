@@ -46,7 +46,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from storyrl.config import Config, load_yaml, option
 from storyrl.data import ScoreTable, StoryRecord
@@ -81,6 +81,8 @@ class AblationEval(Config):
     max_stories: int | None = option(None, "Only the first N sequences of data.", min=1)
     batch_size: int = option(64, "Stories per scoring batch.", min=1)
     generation_batch_size: int = option(8, "Sequences per generation batch of a trained policy.", min=1)
+    save_every: int = option(256, "Sequences per policy load and story-file save while generating (a killed "
+                             "run keeps every saved part).", min=1)
 
     def _problems(self) -> list[str]:
         from storyrl.eval.dhm import DHM_DIMENSIONS
@@ -309,9 +311,10 @@ def _check_variant(variant: Variant, overwrite: bool) -> dict:
         if change is None:
             return state
         if not overwrite:
-            what = "its story file changed" if variant.story_file is not None else f"changed: {change}"
-            raise ValueError(f"variant {variant.name}: {what} since it ran ({variant.state}); use --overwrite to "
-                             "redo it, or another output_dir")
+            what = (f"its story file {variant.story_file} has other content" if variant.story_file is not None
+                    else change)
+            raise ValueError(f"variant {variant.name} changed since it ran ({variant.state}): {what}; use "
+                             "--overwrite to redo it, or another output_dir")
         shutil.rmtree(variant.directory)
     elif variant.directory.is_dir() and any(variant.directory.iterdir()):
         if not overwrite:
@@ -331,6 +334,10 @@ class PolicyGeneratorConfig(GeneratorConfig):
     """Options of a trained policy's generation (recorded in the sidecar)."""
 
     policy: str = option("", "Directory of an RL-trained policy (OUTPUT_DIR/final of storyrl train rl).")
+    generation_batch_size: int = option(8, "Sequences per generation batch.", min=1)
+
+    # batch_size: sequences per generate_stories call, i.e. per policy load and story-file save
+    runtime_options: ClassVar[tuple[str, ...]] = ("batch_size", "generation_batch_size")
 
 
 class PolicyGenerator(Generator):
@@ -348,7 +355,8 @@ class PolicyGenerator(Generator):
         from storyrl.training.rl.policy import generate_stories
 
         records = list(records)
-        stories = generate_stories(self.rl_config, self.args.policy, records, batch_size=self.args.batch_size)
+        stories = generate_stories(self.rl_config, self.args.policy, records,
+                                   batch_size=self.args.generation_batch_size)
         out = Generations()
         for record in records:
             story = stories.get(record.story_id)
@@ -389,7 +397,7 @@ def _generated(variant: Variant, ids: Sequence[str]) -> bool:
     return all(sid in stories or sid in meta.get("failures", {}) for sid in ids)
 
 
-def _generate(variant: Variant, rl_config: Any, records: list[StoryRecord], batch_size: int, progress: bool,
+def _generate(variant: Variant, rl_config: Any, records: list[StoryRecord], config: AblationEval, progress: bool,
               inputs: dict) -> None:
     from storyrl.generators.runs import generate_to_file
 
@@ -397,7 +405,8 @@ def _generate(variant: Variant, rl_config: Any, records: list[StoryRecord], batc
         return
     if progress:
         print(f"ablate: generating {variant.name}", file=sys.stderr)
-    generator = PolicyGenerator(policy=str(variant.train_dir / "final"), batch_size=batch_size)
+    generator = PolicyGenerator(policy=str(variant.train_dir / "final"), batch_size=config.save_every,
+                                generation_batch_size=config.generation_batch_size)
     generator.rl_config = rl_config
     generate_to_file(generator, records, variant.stories, resume=True, progress=progress, inputs=inputs)
     del generator
@@ -511,8 +520,7 @@ def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[s
     for variant in variants:
         if variant.name in chosen and variant.story_file is None:
             rl_config = _train(variant, states[variant.name], progress)
-            _generate(variant, rl_config, records, ev.generation_batch_size, progress, {**inputs,
-                                                                                        "variant": variant.name})
+            _generate(variant, rl_config, records, ev, progress, {**inputs, "variant": variant.name})
     done = [v for v in variants if v.name in chosen or _finished_earlier(v, ids, progress)]
 
     human_records = [_human(r) for r in records]
