@@ -1,18 +1,34 @@
-"""RL fine-tuning of story generators against storyrl rewards (the home of
-the RL trainers; filled in by the RL issue).
+"""RL fine-tuning of story generators against storyrl rewards:
+``storyrl train rl --config configs/rl/<name>.yaml`` (trainer ``rl``).
 
-Layout the trainers follow:
+* :mod:`~storyrl.training.rl.config`: :class:`RLConfig` -- algorithm
+  (``ppo``, ``grpo``, ``rloo``), policy, data and prompts, rewards, and the
+  algorithm's own config as a nested mapping (storyrl's ``PPOConfig``, TRL's
+  ``GRPOConfig`` / ``RLOOConfig``); run-level keys (output_dir, seed,
+  max_steps, report_to, reward_weights) are set once at the top level.
+* :mod:`~storyrl.training.rl.policy`: loading policies -- any transformers
+  causal LM, vision-language models (LLaVA-NeXT-style, conversational
+  prompts with the sequence's images) and storyrl's TAPM-style generator;
+  4-bit bases (bitsandbytes), LoRA (peft; the reference is the base with the
+  adapters disabled, no second copy); :func:`generate_stories` from a
+  trained policy (the ablation runner's evaluation).
+* :mod:`~storyrl.training.rl.data`: the prompt dataset every algorithm
+  consumes (prompt, images, story_images, reference, story_id, image_ids),
+  built with the generators' prompt templates and sequence images.
+* :mod:`~storyrl.training.rl.trl_trainers`: GRPO and RLOO through TRL's
+  trainers with storyrl rewards as reward functions and the story monitor.
+* :mod:`~storyrl.training.rl.ppo`: PPO on accelerate (TRL 1.16 has none),
+  its config (:mod:`~storyrl.training.rl.ppo_config`), pure math
+  (:mod:`~storyrl.training.rl.ppo_math`), rollouts and value models.
+* :mod:`~storyrl.training.rl.monitor`: the signs of reward hacking logged at
+  every step (story length, distinct-n, sample stories; KL from the
+  trainers, unscorable fractions from the rewards).
+* :mod:`~storyrl.training.rl.train`: :func:`train` and the registered
+  :data:`TRAINER`.
 
-* the policy is a :class:`storyrl.generators.Generator`'s model (a causal LM,
-  a vision-language model or the TAPM-style generator), the rewards are
-  :class:`storyrl.rewards.Reward` objects -- TRL reward functions as they
-  are (``reward(prompts=..., completions=..., **columns)`` returns
-  ``list[float | None]``);
-* each algorithm's config is a :class:`storyrl.config.Config` dataclass that
-  embeds TRL's own config dataclass as a field (``GRPOConfig``,
-  ``RLOOConfig``), so that one YAML file sets both;
-* each algorithm registers a :class:`storyrl.training.Trainer` in
-  :data:`storyrl.training.TRAINERS`, which gives it ``storyrl train <name>``.
-
-Layers point down: trainers use rewards and generators, never the reverse.
+TAPM policies train with PPO only: TRL's trainers patch the forward of a
+``PreTrainedModel`` driven by ``input_ids`` alone, and TAPM needs its visual
+features. The rewards are :class:`storyrl.rewards.Reward` objects, TRL
+reward functions as they are. Layers point down: trainers use rewards and
+generators, never the reverse.
 """

@@ -34,7 +34,8 @@ from typing import Any
 
 from storyrl.data import StoryRecord
 
-__all__ = ["Policy", "detect_policy", "generate_stories", "load_policy", "lora_config", "vision_parameter_names"]
+__all__ = ["Policy", "detect_policy", "generate_stories", "load_policy", "lora_config", "merge_adapters",
+           "vision_parameter_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +195,28 @@ def lora_config(config, kind: str):
     exclude = _VISION_REGEX if kind == "vlm" and config.freeze_vision_tower else None
     return LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
                       target_modules=options.target_modules, exclude_modules=exclude, task_type="CAUSAL_LM")
+
+
+def merge_adapters(config, directory: str | Path, kind: str) -> None:
+    """Replace the LoRA adapters saved in ``directory`` by full weights: the
+    configured base with the adapters merged in (its tokenizer/processor
+    and any other files stay)."""
+    import shutil
+
+    from peft import PeftModel
+
+    directory = Path(directory)
+    base = load_policy(config, kind)
+    merged = PeftModel.from_pretrained(base.model, directory).merge_and_unload()
+    tmp = directory.with_name(directory.name + ".merged.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    merged.save_pretrained(tmp)
+    for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        (directory / name).unlink(missing_ok=True)
+    for path in tmp.iterdir():
+        path.replace(directory / path.name)
+    tmp.rmdir()
 
 
 # -- generation from a trained policy ------------------------------------------------

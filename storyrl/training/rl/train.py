@@ -98,9 +98,13 @@ def train(config: RLConfig, resume: bool = False, progress: bool = True, callbac
 
 
 def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool) -> RLResult:
-    from storyrl.training.rl.policy import lora_config
-    from storyrl.training.rl.ppo import PPOTrainer
+    """storyrl's PPO (its history.jsonl holds the story statistics and samples)."""
+    from storyrl.training.rl.policy import lora_config, merge_adapters
+    from storyrl.training.rl.ppo import PPOTrainer, find_latest_checkpoint
 
+    if resume and find_latest_checkpoint(config.output_dir) is None:
+        logger.warning("resume: no checkpoint-<step>/ in %s; starting from the beginning", config.output_dir)
+        resume = False
     trainer = PPOTrainer(
         model=policy.model,
         reward_funcs=rewards,
@@ -112,8 +116,11 @@ def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progres
     )
     result = trainer.train(resume=resume)
     final = Path(config.output_dir) / "final"
-    trainer.save_model(str(final))
-    config.to_yaml(final / CONFIG_FILE) if final.is_dir() else None
+    trainer.save_model(final)
+    if trainer.accelerator.is_main_process:
+        if config.lora.enabled and config.lora.merge:
+            merge_adapters(config, final, policy.kind)
+        config.to_yaml(final / CONFIG_FILE)
     return RLResult("ppo", config.output_dir, result.steps, list(result.history))
 
 

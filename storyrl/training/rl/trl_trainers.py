@@ -112,7 +112,8 @@ class StoryMonitor:
         samples = sample_stories(self._texts, [math.nan if t is None else t for t in totals], self.num_samples)
         for k, sample in enumerate(samples):
             sample["rewards"] = {name: _finite_or_none(self._values[i][k]) for i, name in enumerate(self.names)}
-        step = getattr(state, "global_step", None)
+        # The optimisation step these completions feed (history.jsonl's "step").
+        step = state.global_step + 1 if state is not None else None
         if samples:
             logger.info("step %s: sample story (reward %s): %s", step, samples[0]["reward"], samples[0]["story"][:300])
         if self.samples_path is not None:
@@ -138,7 +139,7 @@ class MonitoredReward:
 class HistoryCallback(TrainerCallback):
     """``history.jsonl``: one line per log entry (main process); on (re)start
     it is rewritten from the trainer's restored log history and
-    ``samples.jsonl`` is cut back to the steps before the checkpoint."""
+    ``samples.jsonl`` is cut back to the checkpoint's steps."""
 
     def __init__(self, output_dir: str | Path) -> None:
         self.history = Path(output_dir) / HISTORY
@@ -151,7 +152,7 @@ class HistoryCallback(TrainerCallback):
         self.history.write_text("".join(_line(entry) for entry in state.log_history), encoding="utf-8")
         if self.samples.exists():
             kept = [line for line in self.samples.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and (json.loads(line).get("step") or 0) < state.global_step]
+                    if line.strip() and (json.loads(line).get("step") or 0) <= state.global_step]
             self.samples.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
