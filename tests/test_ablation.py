@@ -481,6 +481,8 @@ def test_a_changed_variant_is_an_error_and_overwrite_retrains_only_it(assets, tr
     ({"variants": {"a": {"rewards": ["fluency"]}}}, r"variants.a: .*rewards\[0\]: .*fluency"),
     ({"variants": {"a": {"reward_weights": [1.0, 2.0]}}}, r"variants.a: .*reward_weights: 2 weights for 1 rewards"),
     ({"train": None}, r"variants: give train"),
+    ({"train": {"model": "tiny", "data": "nowhere.jsonl", "rewards": ["repetition"]}},
+     r"AblationConfig: train \(every variant\): RLConfig: data: no such file nowhere.jsonl$"),
     ({"train": "configs/rl/nope.yaml"}, r"train: no such RL config file configs/rl/nope.yaml"),
 ])
 def test_training_config_errors_name_the_file_and_the_key(assets, tmp_path, change, message):
@@ -489,3 +491,72 @@ def test_training_config_errors_name_the_file_and_the_key(assets, tmp_path, chan
     path = _write(tmp_path / "bad.yaml", _train_config(assets, tmp_path / "out", **change))
     with pytest.raises(ValueError, match=f"^{path}: .*{message}"):
         AblationConfig.from_yaml(path)
+
+
+# -- training mode end to end: a tiny random LLaMA policy, one GRPO step per variant ------------------
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    """A tiny random LLaMA and a chat tokenizer whose words all end in a
+    period, saved: whatever the random policy writes has sentences, so that
+    repetition scores its stories (a random model writes no periods)."""
+    from tiny_models import CHAT_TEMPLATE, CHAT_TEMPLATE_WORDS, tiny_llama, vlm_tokenizer
+
+    directory = tmp_path_factory.mktemp("policy")
+    words = "dog. cat. sun. ran. sat. ate. cake. hot. park. tree. sky. car. red. big. we. they."
+    tokenizer = vlm_tokenizer([words, CHAT_TEMPLATE_WORDS], image_token=False)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tiny_llama(tokenizer, seed=0).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def _e2e_config(assets, policy_dir, out: Path) -> dict:
+    base = {"model": policy_dir, "policy": "causal_lm", "data": str(assets["data"]), "rewards": ["repetition"],
+            "max_steps": 1, "grpo": {"per_device_train_batch_size": 2, "num_generations": 2,
+                                     "max_completion_length": 12, "logging_steps": 1, "save_strategy": "no"}}
+    return {"output_dir": str(out), "train": base,
+            "variants": {"rep": {}, "rep_dhm": {"rewards": ["repetition", {"reward": "dhm", "dimensions": ["repetition"]}],
+                                                "reward_weights": [1.0, 0.5]}},
+            "eval": {"data": str(assets["data"]), "metrics": [REPETITION], "generation_batch_size": 4}}
+
+
+def test_training_mode_end_to_end_with_a_tiny_policy(assets, policy_dir, tmp_path, monkeypatch):
+    import storyrl.training.rl.train as rl_train
+    from storyrl.data import load_stories
+    from storyrl.eval.ablation import AblationConfig, run_ablation
+    from storyrl.rewards import create_reward
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.policy import generate_stories
+
+    out = tmp_path / "out"
+    path = _write(tmp_path / "abl.yaml", _e2e_config(assets, policy_dir, out))
+    result = run_ablation(AblationConfig.from_yaml(path), progress=False)
+    records = load_stories(assets["data"])
+    repetition = create_reward("repetition")
+    human = [r.reference or r.story for r in records]
+    human_scores = np.array(repetition.score(human), dtype=float)
+    for row in result.variants:
+        train_dir = out / "variants" / row.variant / "train"
+        saved = RLConfig.from_yaml(train_dir / "rl_config.yaml")  # what was trained
+        assert saved.rewards == (["repetition"] if row.variant == "rep" else
+                                 ["repetition", {"reward": "dhm", "dimensions": ["repetition"]}])
+        logged = set().union(*(json.loads(line) for line in (train_dir / "history.jsonl").read_text().splitlines()))
+        assert ("rewards/dhm/mean" in logged) == (row.variant == "rep_dhm")
+        # the story file holds the trained policy's greedy stories, generated here again
+        stories = json.loads((out / "variants" / row.variant / "stories.json").read_text())
+        again = generate_stories(saved, str(train_dir / "final"), records, batch_size=4)
+        assert stories == again and len(stories) == 4
+        model_scores = np.array(repetition.score([stories[r.story_id] for r in records]), dtype=float)
+        ok = np.isfinite(model_scores) & np.isfinite(human_scores)
+        assert (row.stories, row.failures, row.n) == (4, 0, int(ok.sum()))
+        assert row.d_hm == pytest.approx(float(np.mean(np.abs(model_scores - human_scores)[ok])), rel=1e-12)
+        assert row.means["repetition"] == pytest.approx(float(np.nanmean(model_scores)), rel=1e-12)
+    assert any(row.n for row in result.variants), result.markdown  # the comparison is not only NaN == NaN
+
+    trained = []
+    monkeypatch.setattr(rl_train, "train", lambda *a, **k: trained.append(a))
+    spy = Spy(monkeypatch)
+    assert run_ablation(AblationConfig.from_yaml(path), progress=False).markdown == result.markdown
+    assert trained == [] and spy.scored == []

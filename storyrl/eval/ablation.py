@@ -165,6 +165,7 @@ class AblationConfig(Config):
             base = _base_train(self)
         except ValueError as exc:
             return [f"train: {exc}"]
+        failed = {}
         for name, overrides in self.variants.items():
             bad = [key for key in overrides if not _REWARD_OPTION.search(key)]
             if bad:
@@ -174,8 +175,10 @@ class AblationConfig(Config):
             try:
                 _rl_config({**base, **overrides}, Path(self.output_dir) / "variants" / name / "train")
             except (TypeError, ValueError, ImportError) as exc:
-                problems.append(f"variants.{name}: {exc}")
-        return problems
+                failed[name] = str(exc)
+        if len(failed) > 1 and len(set(failed.values())) == 1:  # the base's fault: said once
+            return [*problems, f"train (every variant): {next(iter(failed.values()))}"]
+        return problems + [f"variants.{name}: {message}" for name, message in failed.items()]
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any) -> AblationConfig:
