@@ -313,13 +313,41 @@ def test_cli_prints_the_table_and_fails_when_no_variant_has_a_story(assets, abla
         assert result.output.count("\n") == 1, result.output
 
 
-def test_shipped_story_files_config_loads(monkeypatch):
-    from storyrl.eval.ablation import AblationConfig
+@pytest.mark.parametrize("name, variants", [
+    ("story_files", ["dhm_all", "dhm_no_G", "dhm_no_C", "dhm_no_R"]),
+    ("dhm_dimensions", ["dhm_all", "dhm_no_G", "dhm_no_C", "dhm_no_R", "weighted_GCR"]),
+])
+def test_shipped_configs_load(tmp_path, monkeypatch, name, variants):
+    """Every variant's RL config is validated on loading: run where the
+    configs' relative paths resolve (configs/, the training data file)."""
+    from storyrl.eval.ablation import AblationConfig, plan_variants
 
-    monkeypatch.chdir(REPO)  # reward config paths are relative to the checkout
-    config = AblationConfig.from_yaml("configs/ablations/story_files.yaml")
-    assert config.stories and not config.variants
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    (tmp_path / "data" / "vist").mkdir(parents=True)
+    (tmp_path / "data" / "vist" / "train.story-in-sequence.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    config = AblationConfig.from_yaml(f"configs/ablations/{name}.yaml")
     assert config.eval.dims() == ["groovist", "coherence", "repetition"]
+    assert [m.name for m in map(_metric_of(config), config.eval.metrics)] == [
+        "groovist", "coherence", "repetition", "clipscore", "rovist_vg"]
+    assert list(config.variants or config.stories) == variants
+    if config.variants:
+        planned = {v.name: v.train_options for v in plan_variants(config)}
+        dims = {n: [r.get("dimensions") for r in o["rewards"] if isinstance(r, dict) and r["reward"] == "dhm"]
+                for n, o in planned.items()}
+        assert dims == {"dhm_all": [["grounding", "coherence", "repetition"]], "dhm_no_G": [["coherence", "repetition"]],
+                        "dhm_no_C": [["grounding", "repetition"]], "dhm_no_R": [["grounding", "coherence"]],
+                        "weighted_GCR": []}
+        assert planned["weighted_GCR"]["reward_weights"] == [1.0, 1.0, 1.0]
+        # the same training otherwise
+        assert len({json.dumps({k: v for k, v in o.items() if "reward" not in k}, sort_keys=True)
+                    for o in planned.values()}) == 1
+
+
+def _metric_of(config):
+    from storyrl.eval.scoring import make_metric
+
+    return lambda spec: make_metric(spec, config.eval.image_root)
 
 
 # -- training mode: the RL orchestration replaced by fakes ---------------------------------------
