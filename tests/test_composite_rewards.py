@@ -437,19 +437,24 @@ def spy_context(monkeypatch, component):
 # -- options, configs, pickling -------------------------------------------------------------------
 
 
+def one(**term):
+    """Weighted options with one repetition term."""
+    return {"components": [{"reward": "repetition", **term}]}
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"components": []}, "components: give at least one reward"),
         ({"components": "repetition"}, "option 'components': expected a list"),
         ({"components": [{"reward": "repetition"}, {"reward": "nope"}]}, r"components\[1\]: unknown reward 'nope'"),
-        ({"components": [{"reward": "repetition", "normalize": "zscore"}]}, r"components\[0\]: normalize must be one of"),
-        ({"components": [{"reward": "repetition", "normalize": "range"}]}, r"components\[0\]: normalize 'range' needs range"),
-        ({"components": [{"reward": "repetition", "normalize": "range", "range": [1, 0]}]}, "lo < hi"),
-        ({"components": [{"reward": "repetition", "range": [0, 1]}]}, "range is only used with normalize: range"),
-        ({"components": [{"reward": "repetition", "weight": "2"}]}, r"components\[0\]: option 'weight': expected a number"),
-        ({"components": [{"reward": "repetition", "weight": math.inf}]}, "weight must be a finite number"),
-        ({"components": [{"reward": "repetition", "options": {"chunk": 2}}]}, "reward 'repetition'.*unknown option 'chunk'"),
+        (one(normalize="zscore"), r"components\[0\]: normalize must be one of"),
+        (one(normalize="range"), r"components\[0\]: normalize 'range' needs range"),
+        (one(normalize="range", range=[1, 0]), "lo < hi"),
+        (one(range=[0, 1]), "range is only used with normalize: range"),
+        (one(weight="2"), r"components\[0\]: option 'weight': expected a number"),
+        (one(weight=math.inf), "weight must be a finite number"),
+        (one(options={"chunk": 2}), "reward 'repetition'.*unknown option 'chunk'"),
         ({"components": [{"reward": "repetition", "name": "r"}, {"reward": "repetition", "name": "r"}]},
          "name 'r' is used twice"),
         ({"components": [{"reward": "missing/file.yaml"}]}, "no such reward config file missing/file.yaml"),
@@ -476,14 +481,17 @@ def test_option_errors_name_the_option(options, message):
 
 
 def test_unselected_dimension_rewards_are_not_built():
-    reward = create_reward("dhm", dimensions=["repetition"], rewards={"coherence": {"model": "does/not/exist"}})
+    # A copy of dhm.yaml with fewer dimensions keeps working where the others' files are absent.
+    reward = create_reward("dhm", dimensions=["repetition"],
+                           rewards={"grounding": "missing/groovist.yaml", "coherence": {"bogus": 1}})
     assert list(reward.component_rewards) == ["repetition"]
 
 
 def test_a_component_from_a_reward_config_file_with_options(tmp_path):
     path = tmp_path / "rep.yaml"
     path.write_text("reward: repetition\nchunk_size: 3\n")
-    reward = create_reward("weighted", components=[{"reward": str(path)}, {"reward": str(path), "options": {"chunk_size": 5}}])
+    reward = create_reward("weighted", components=[{"reward": str(path)},
+                                                   {"reward": str(path), "options": {"chunk_size": 5}}])
     assert [r.chunk_size for r in reward.component_rewards.values()] == [3, 5]
     dhm = create_reward("dhm", dimensions=["repetition"], rewards={"repetition": str(path)})
     assert dhm.component_rewards["repetition"].chunk_size == 3
@@ -492,7 +500,8 @@ def test_a_component_from_a_reward_config_file_with_options(tmp_path):
 def test_shipped_configs_load(monkeypatch):
     monkeypatch.chdir(REPO)  # component config files are relative to the working directory
     dhm = load_reward_config(REPO / "configs/rewards/dhm.yaml")
-    assert dhm.name == "dhm" and dhm.sign == -1 and list(dhm.component_rewards) == ["grounding", "coherence", "repetition"]
+    assert dhm.name == "dhm" and dhm.sign == -1
+    assert list(dhm.component_rewards) == ["grounding", "coherence", "repetition"]
     assert [r.name for r in dhm.component_rewards.values()] == ["groovist", "coherence", "repetition"]
     assert dhm.component_rewards["grounding"].bounded is False
     no_g = load_reward_config(REPO / "configs/rewards/dhm_no_grounding.yaml")
@@ -519,3 +528,56 @@ def test_pickle_round_trip_before_and_after_loading(assets):
         assert again(**args) == first
         assert list(again.component_rewards) == list(r.component_rewards)
     assert reward.human_cache and pickle.loads(pickle.dumps(reward)).human_cache == reward.human_cache
+
+
+# -- under TRL's GRPOTrainer ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_grpo_logs_every_component(tmp_path, monkeypatch):
+    """Two real GRPO steps (tiny random LLaMA): TRL takes the composite's
+    None rewards and records every component through log_metric / log_extra."""
+    from datasets import Dataset
+    from tiny_models import chat_tokenizer, tiny_llama
+    from trl import GRPOConfig, GRPOTrainer
+
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    # A vocabulary of a few words and "." so that random completions have sentences (some scorable).
+    prompts = ["dog cat .", "sun sea ."]
+    tokenizer = chat_tokenizer(["dog cat sun sea ."])
+    reward = create_reward("weighted", components=[
+        {"reward": "repetition", "normalize": "group"},
+        {"reward": {"reward": "dhm", "dimensions": ["repetition"]}, "weight": 0.5},
+    ])
+    dataset = Dataset.from_dict({"prompt": prompts * 4, "story_id": ["s0", "s1"] * 4,
+                                 "reference": [HUMAN["s0"], HUMAN["s1"]] * 4})
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_vllm=False,
+                      per_device_train_batch_size=8, num_generations=4, max_completion_length=24, max_steps=2,
+                      logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0, seed=0)
+    trainer = GRPOTrainer(model=tiny_llama(tokenizer), reward_funcs=[reward], args=args, train_dataset=dataset,
+                          processing_class=tokenizer)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "rewards/weighted/mean" in entry]
+    assert len(logs) == 2
+    for entry in logs:
+        for name in ("weighted/unscorable_frac", "weighted/repetition/unscorable_frac", "weighted/dhm/unscorable_frac"):
+            assert 0.0 <= entry[name] <= 1.0, name
+    assert any("weighted/repetition/mean" in entry and "weighted/dhm/mean" in entry for entry in logs)
+    # The last batch as TRL recorded it: the extra columns are the components' values, and the
+    # rewards are the group z-scored repetition (groups = prompts) plus half the d_HM.
+    extra = trainer._logs["extra"]
+    assert {"weighted/repetition", "weighted/repetition/normalized", "weighted/dhm"} <= set(extra)
+    last = reward.last_components
+    for name in ("repetition", "repetition/normalized", "dhm"):
+        assert list(extra[f"weighted/{name}"]) == [None if math.isnan(v) else v for v in last[name]]
+    rep, dhm = last["repetition"], last["dhm"]
+    groups = list(trainer._logs["prompt"])
+    assert len(rep) == len(groups) == 8 and np.isfinite(rep).sum() >= 2
+    z = np.full(8, np.nan)
+    for prompt in set(groups):
+        index = [k for k, g in enumerate(groups) if g == prompt]
+        z[index] = np_z(rep[index])
+    np.testing.assert_allclose(list(trainer._logs["rewards"]["weighted"]), z + 0.5 * dhm, rtol=1e-6, equal_nan=True)
+    assert reward.component_rewards["dhm"].stats["human_scored"] == 2  # two stories, scored once each

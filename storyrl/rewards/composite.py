@@ -91,9 +91,7 @@ def resolve_reward(
         config = cls.config_class.from_mapping({**data, **(options or {})})
     except (TypeError, ValueError) as exc:
         # Name the reward as users call it, not its config class.
-        label = f"{cls.config_class._label()}: "
-        message = str(exc)
-        message = message[len(label):] if message.startswith(label) else message
+        message = str(exc).removeprefix(f"{cls.config_class._label()}: ")
         raise type(exc)(f"{where}reward {cls.name or name!r}: {message}") from None
     return cls, config
 

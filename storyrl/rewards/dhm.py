@@ -215,7 +215,7 @@ class DHM(CompositeReward):
         total *= self.sign
         for i in np.flatnonzero(np.isnan(total)):
             if absent[i]:
-                self._unscorable("no human story", f"story {i}: no reference and no human_scores row")
+                self._unscorable("no human story", "no reference and no human_scores row")
             for dim in self.dimensions:
                 if np.isnan(model[dim][i]):
                     self._unscorable(f"{dim}: story unscorable")
