@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 import shutil
 from pathlib import Path
 
@@ -281,7 +280,11 @@ def test_config_errors_name_the_file_and_the_key(assets, tmp_path, change, messa
         AblationConfig.from_yaml(path)
 
 
-def test_a_missing_story_file_or_unknown_variant_fails_before_any_work(assets, tmp_path):
+def test_a_missing_story_file_or_unknown_variant_fails_before_any_work(assets, tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "2")  # under accelerate launch: every process would write the same files
+        with pytest.raises(ValueError, match=r"^storyrl ablate runs as one process"):
+            _run(assets, tmp_path / "abl")
     with pytest.raises(ValueError, match=r"abl.yaml: stories.gone: no such story file .*gone.json$"):
         _run(assets, tmp_path / "abl", stories={"gone": str(tmp_path / "gone.json")})
     with pytest.raises(ValueError, match=r"abl.yaml: no variant 'nope'; the variants are all_dims, no_R"):

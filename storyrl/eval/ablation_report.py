@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storyrl.eval.ablation_config import HUMAN
 from storyrl.eval.sweep_report import csv_text, grouped_bars, markdown_table
 
 __all__ = ["HUMAN", "SHORT", "AblationResult", "VariantResult", "plot_ablation", "write_ablation_report"]
 
-#: Label of the human stories' row (no variant may take it).
-HUMAN = "human"
 #: The d_HM dimensions' column names: grounding → d_G, ...
 SHORT = {"grounding": "d_G", "coherence": "d_C", "repetition": "d_R"}
 _COUNTS = ["records", "stories", "failures", "unscorable", "n"]
