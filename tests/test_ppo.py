@@ -138,14 +138,17 @@ def test_text_policy_two_steps(tmp_path, lora):
     if "weighted" in REWARDS:
         rewards.append(create_reward("weighted", components=[{"reward": "repetition"},
                                                              {"reward": "repetition", "options": {"chunk_size": 2}}]))
-    trainer = PPOTrainer(model, rewards, ppo_args(tmp_path), text_dataset(), processing_class=tokenizer,
-                         peft_config=lora_config() if lora else None, reward_weights=[1.0, 0.5, 0.5][: len(rewards)])
+    trainer = PPOTrainer(model, rewards, ppo_args(tmp_path, gradient_checkpointing=lora), text_dataset(),
+                         processing_class=tokenizer, peft_config=lora_config() if lora else None,
+                         reward_weights=[1.0, 0.5, 0.5][: len(rewards)])
     head_before = snapshot(trainer.accelerator.unwrap_model(trainer.model).value_head)
     result = trainer.train()
 
     names = [r.__name__ for r in rewards]
-    extra = ["word_count/longest", "repetition/unscorable_frac"] + (["weighted/unscorable_frac"] if len(rewards) > 2
-                                                                    else [])
+    extra = ["word_count/longest", "repetition/unscorable_frac"]
+    if len(rewards) > 2:  # the composite reward's own components
+        extra += ["weighted/unscorable_frac", "weighted/repetition/mean", "weighted/repetition_2/mean",
+                  "weighted/repetition/unscorable_frac"]
     check_history(result, names, extra)
     assert [s.get("word_count/words") is not None for s in result.history[0]["samples"]] == [True, True]
     # the reward saw TRL's keywords and every column but prompt, one entry per completion
@@ -170,15 +173,46 @@ def test_text_policy_two_steps(tmp_path, lora):
         assert changed(initial, snapshot(trainer.ref_model)) == set()  # the frozen reference
 
 
-def test_save_model_writes_a_loadable_policy(tmp_path):
+def recording_tracker():
+    from accelerate.tracking import GeneralTracker
+
+    class Recorder(GeneralTracker):
+        name = "recorder"
+        requires_logging_directory = False
+
+        def __init__(self):
+            super().__init__()
+            self.config, self.logged = None, []
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            self.config = values
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((step, dict(values)))
+
+    return Recorder()
+
+
+def test_trackers_and_save_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from storyrl.training.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
+    tracker = recording_tracker()
     trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), WordCount(), ppo_args(tmp_path, max_steps=1),
-                         text_dataset(), processing_class=tokenizer)
-    trainer.train()
+                         text_dataset(), processing_class=tokenizer, trackers=[tracker])
+    result = trainer.train()
+    # accelerate's trackers get the config once and every finite scalar of each step (samples stay in history)
+    assert tracker.config["kl_coef"] == 0.05 and tracker.config["output_dir"] == str(tmp_path / "out")
+    [(step, logged)] = tracker.logged
+    record = result.history[0]
+    assert step == 1 and set(logged) == {k for k, v in record.items() if isinstance(v, float)}
+    assert logged["objective/kl"] == record["objective/kl"] and "samples" not in logged
     trainer.save_model(tmp_path / "final")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     for key, value in trainer.policy.state_dict().items():
@@ -311,6 +345,30 @@ def test_a_reward_that_fails_for_every_completion_is_an_error(tmp_path):
         trainer.train()
 
 
+def test_missing_eos_penalty_then_score_clip(tmp_path, monkeypatch):
+    from storyrl.training.rl import ppo_math
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    seen, rollouts = [], []
+    token_rewards = ppo_math.token_rewards
+    monkeypatch.setattr(ppo_math, "token_rewards", lambda kl, scores, mask, c: (seen.append(scores.clone()),
+                                                                               token_rewards(kl, scores, mask, c))[1])
+    tokenizer = tiny_models.chat_tokenizer(CORPUS)
+    # "." ends a response here (stop_token_id), and the model likes it enough to end some of them in 3 tokens
+    args = ppo_args(tmp_path, missing_eos_penalty=2.0, score_clip=0.5, max_steps=1, response_length=3,
+                    stop_token_id=tokenizer.convert_tokens_to_ids("."))
+    trainer = PPOTrainer(likes_full_stops(tiny_models.tiny_llama(tokenizer), tokenizer), lambda
+                         prompts, completions, **kw: [1.0] * len(completions), args, text_dataset(),
+                         processing_class=tokenizer)
+    rollout = trainer.adapter.rollout
+    monkeypatch.setattr(trainer.adapter, "rollout", lambda *a: rollouts.append(rollout(*a)) or rollouts[-1])
+    trainer.train()
+    ended = rollouts[0].ended
+    assert 0 < int(ended.sum()) < len(ended)  # both kinds in the batch
+    # 1 − 2 for a response cut by response_length, then clipped to ±0.5
+    assert seen[0].tolist() == [0.5 if e else -0.5 for e in ended.tolist()]
+
+
 def test_separate_value_model(tmp_path):
     from transformers import LlamaForSequenceClassification
 
@@ -428,7 +486,8 @@ def tapm_model(tapm, lora=False):
     tokenizer = AutoTokenizer.from_pretrained(tapm["decoder"])
     store = FeatureStore(tapm["features"])
     decoder = AutoModelForCausalLM.from_pretrained(tapm["decoder"])
-    lora_options = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "lora_dropout": 0.0} if lora else None
+    lora_options = {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "lora_dropout": 0.0,
+                    "fan_in_fan_out": True} if lora else None
     model = TapmModel.from_decoder(decoder, tokenizer, {t: s["dim"] for t, s in store.types.items()},
                                    {t: s["tokens"] for t, s in store.types.items()}, seed=0, lora=lora_options)
     return model, tokenizer

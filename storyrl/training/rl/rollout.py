@@ -137,6 +137,16 @@ def _generation_config(args, stop_token_id: int | None, pad_token_id: int, suppr
     )
 
 
+def _checkpointing_on(model) -> None:
+    """Non-reentrant activation checkpointing (transformers 5 renamed
+    gradient_checkpointing_enable; both spellings are accepted)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _is_peft(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
@@ -208,9 +218,7 @@ class PolicyAdapter:
         return int(text.hidden_size)
 
     def enable_gradient_checkpointing(self, policy) -> None:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if hasattr(policy, "config"):
-            policy.config.use_cache = False
+        _checkpointing_on(policy)
 
     def save(self, policy, directory: Path) -> None:
         """The policy (adapters only for a peft model) and its tokenizer/processor."""
@@ -478,8 +486,7 @@ class TapmAdapter(PolicyAdapter):
         return int(policy.config.hidden_size)
 
     def enable_gradient_checkpointing(self, policy) -> None:
-        decoder = policy.decoder
-        decoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _checkpointing_on(policy.decoder)
 
     def save(self, policy, directory: Path) -> None:
         policy.save_pretrained(directory)
