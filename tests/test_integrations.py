@@ -269,3 +269,48 @@ def test_verl_loads_the_module_file_as_verl_does(repetition_yaml):
     spec.loader.exec_module(module)
     assert module.reward_func(STORIES[:1], None, None, storyrl_config=repetition_yaml)["rewards"].tolist() == \
         pytest.approx([got])
+
+
+def test_group_normalised_reward_gets_the_prompts(tmp_path):
+    config = write(tmp_path, "g.yaml", "reward: weighted\ncomponents:\n"
+                   "  - {reward: repetition, weight: 1.0, normalize: group}\n")
+    stories = [STORIES[0], STORIES[1], STORIES[3], STORIES[1]]
+    prompts = ["P1", "P1", "P2", "P2"]
+    out = reward_func([p + s for p, s in zip(prompts, stories)], prompts, None, storyrl_config=config)
+    # z-score within each prompt's pair: the better story +1, the other -1
+    raw = create_reward("repetition").score(stories)
+    want = [np.sign(raw[0] - raw[1]), np.sign(raw[1] - raw[0]), np.sign(raw[2] - raw[3]), np.sign(raw[3] - raw[2])]
+    assert 0 not in want
+    assert out["rewards"].tolist() == pytest.approx(want)
+    # without prompts (or story ids) the groups cannot be told apart: an error, not one big group
+    with pytest.raises(ValueError, match="group"):
+        reward_func(stories, None, None, storyrl_config=config)
+
+
+class _ShiftingColumns(Reward):
+    """Logs a different per-story column on each call (as a reward whose
+    optional parts come and go might)."""
+
+    name = "test_integrations_shifting"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.n_calls = 0
+
+    def __call__(self, prompts=None, completions=None, **kwargs):
+        out = super().__call__(prompts=prompts, completions=completions, **kwargs)
+        self.n_calls += 1
+        kwargs["log_extra"](f"part{self.n_calls}", [1.0] * len(out))
+        return out
+
+    def _score_batch(self, stories, **context):
+        return np.array([float(len(s)) for s in stories])
+
+
+def test_verl_dicts_keep_the_keys_of_the_first_call(monkeypatch):
+    reward = _ShiftingColumns()
+    monkeypatch.setattr(core, "reward_from_config", lambda config=None: reward)
+    first, second = compute_score("v", "ab", None), compute_score("v", "abc", None, fallback_is_unused=1)
+    assert first == {"score": 2.0, "part1": 1.0, "unscorable": 0.0}
+    # verl stacks each key over samples: a key missing from one sample would misalign them
+    assert second == {"score": 3.0, "part1": 0.0, "unscorable": 0.0}

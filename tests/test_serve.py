@@ -137,7 +137,7 @@ def test_concurrent_requests_are_batched_each_answered_with_its_own_scores():
     n_threads, per_request = 8, 3
     requests = [[story(t * per_request + k) for k in range(per_request)] for t in range(n_threads)]
     answers: dict[int, list[float]] = {}
-    with run_in_thread(create_app(spy, max_batch_size=12, max_wait_ms=10)) as url:
+    with run_in_thread(create_app(spy, max_batch_size=10, max_wait_ms=10)) as url:
         held = _hold_the_worker(url, spy)
 
         def client(t: int) -> None:
@@ -156,9 +156,9 @@ def test_concurrent_requests_are_batched_each_answered_with_its_own_scores():
     assert sorted(answers) == list(range(n_threads))
     for t in range(n_threads):
         assert answers[t] == pytest.approx(expected(requests[t])), t
-    # the 8 queued requests (24 stories) took 2 calls of 4 whole requests each (max_batch_size 12)
-    assert spy.calls == [1, 12, 12]
-    assert info["stats"]["reward_calls"] == 3 and info["batch_sizes"] == {"1": 1, "12": 2}
+    # the 8 queued requests (24 stories) took 3 calls of whole requests within max_batch_size 10
+    assert spy.calls == [1, 9, 9, 6]
+    assert info["stats"]["reward_calls"] == 4 and info["batch_sizes"] == {"1": 1, "6": 1, "9": 2}
 
 
 def test_requests_arriving_within_max_wait_share_a_call():
@@ -354,3 +354,13 @@ def test_json_answers_never_hold_nan():
     assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text)["rewards"][:2] == [0.25, 0.25]
     assert np.isfinite(json.loads(text)["rewards"]).all()
+
+
+def test_prompts_reach_a_group_normalised_reward():
+    weighted = create_reward("weighted", components=[{"reward": "repetition", "weight": 1.0, "normalize": "group"}])
+    stories = [STORIES[0], STORIES[1], STORIES[3], STORIES[1]]
+    raw = create_reward("repetition").score(stories)
+    want = [np.sign(raw[0] - raw[1]), np.sign(raw[1] - raw[0]), np.sign(raw[2] - raw[3]), np.sign(raw[3] - raw[2])]
+    with run_in_thread(create_app(weighted)) as url:
+        answer = post(url, {"query": stories, "prompts": ["P1", "P1", "P2", "P2"]}).json()
+    assert answer["rewards"] == pytest.approx(want)
