@@ -90,7 +90,8 @@ def test_answers_equal_reward_score(monkeypatch):
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         prompts = [f"<s>[INST] Tell story {i} [/INST]" for i in range(len(STORIES))]
         queries = [p + s + "</s>" for p, s in zip(prompts, STORIES)]
-        r = post(url, {"query": queries, "prompts": prompts, "labels": [None, "a human story", {"story_id": "x"}, None]})
+        labels = [None, "a human story", {"story_id": "x"}, None]
+        r = post(url, {"query": queries, "prompts": prompts, "labels": labels})
         assert r.status_code == 200, r.text
         answer = r.json()
         assert answer["rewards"] == pytest.approx(expected(STORIES, fallback=-1.0))

@@ -17,7 +17,8 @@ from storyrl.cli.common import _FILE, _fail
               help="Interface to listen on (0.0.0.0: every interface; the server has no authentication).")
 @click.option("--port", default=5000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: a free one).")
 @click.option("--max-batch-size", default=64, show_default=True, type=click.IntRange(min=1),
-              help="Most stories gathered from concurrent requests into one reward call (a larger request is scored alone).")
+              help="Most stories gathered from concurrent requests into one reward call "
+                   "(a larger request is scored alone).")
 @click.option("--max-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="How long the first waiting request waits for others to join its batch.")
 @click.option("--fallback", type=float, default=None,

@@ -202,8 +202,8 @@ def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, 
         pass  # batch-level means; the frameworks average per-sample values themselves
 
     with _SCORE_LOCK:
-        out = reward(prompts=None if prompts is None else list(prompts), completions=stories, log_extra=log_extra, log_metric=log_metric,
-                     **dict(context or {}))
+        out = reward(prompts=None if prompts is None else list(prompts), completions=stories,
+                     log_extra=log_extra, log_metric=log_metric, **dict(context or {}))
     scores = np.array([math.nan if v is None else float(v) for v in out], dtype=float)
     components = {}
     for column, values in extra.items():

@@ -16,6 +16,11 @@ OpenRLHF versions take: ``{"rewards": tensor, "scores": tensor,
 ``scores`` (the same values) for dynamic filtering, ``extra_logs`` (the
 reward's per-sample components and ``unscorable``) for the trainer's logs.
 
+OpenRLHF runs ``reward_func`` as Ray tasks: each Ray worker process builds
+the reward once (models included) and keeps it, on the resources of a Ray
+task (a CPU unless configured otherwise). For a model-based reward, one
+``storyrl serve`` on a GPU serving every node is usually the better choice.
+
 The HTTP protocol (``storyrl serve``): POST ``/get_reward`` with
 ``{"query": [...], "prompts": [...], "labels": [...]}`` (``prompts`` and
 ``labels`` optional, each as long as ``query``); the answer is the same
