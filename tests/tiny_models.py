@@ -436,3 +436,31 @@ class KeywordPhrases:
         import re
 
         return [[w for w in re.findall(r"[a-z]+", story.lower()) if w in self.words] for story in stories]
+
+
+# -- RL policies (test_rl_train.py) ------------------------------------------------------
+
+
+def save_tiny_llama(directory: Path, texts, seed: int = 0, chat: bool = True) -> str:
+    """:func:`tiny_llama` and its :func:`chat_tokenizer` over ``texts`` saved
+    in ``directory`` (a causal-LM policy); ``chat=False`` drops the chat
+    template (plain-string prompts). Returns the directory."""
+    tokenizer = chat_tokenizer(texts)
+    if not chat:
+        tokenizer.chat_template = None
+    tiny_llama(tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def save_tiny_chat_vlm(directory: Path, texts, seed: int = 0) -> str:
+    """:func:`save_tiny_vlm` ``llava_next`` whose processor has a chat
+    template (``LLAVA_CHAT_TEMPLATE``), as the hub's LLaVA-NeXT processors
+    do: TRL renders VLM prompts with it. Returns the directory."""
+    from transformers import AutoProcessor
+
+    save_tiny_vlm(directory, "llava_next", texts, seed)
+    processor = AutoProcessor.from_pretrained(directory)
+    processor.chat_template = LLAVA_CHAT_TEMPLATE
+    processor.save_pretrained(directory)
+    return str(directory)

@@ -77,15 +77,33 @@ def train(config: RLConfig, resume: bool = False, progress: bool = True, callbac
     extra transformers ``TrainerCallback`` objects for the TRL trainers."""
     import storyrl  # noqa: F401  (torchvision fallback before transformers)
 
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()  # weight loading and saving too
+    try:
+        return _train(config, resume, progress, callbacks)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | None) -> RLResult:
     from storyrl.training.rl.data import build_dataset
     from storyrl.training.rl.policy import load_policy
 
     kind = config.policy_kind()
     if kind == "tapm" and config.algorithm != "ppo":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
+    from storyrl.rewards.base import RewardError
+
     rewards = config.build_rewards()
     for reward in rewards:
-        reward.setup()
+        try:
+            reward.setup()  # a reward that cannot load fails now, not after the first rollout
+        except RewardError as exc:
+            raise ValueError(str(exc)) from exc
     policy = load_policy(config, kind)
     dataset = build_dataset(config, kind, policy.processing_class)
     _save_config(config, resume)

@@ -13,7 +13,10 @@ monitor.
   TRL's ``peft_config`` (no reference copy: adapters disabled).
 * Checkpoints are TRL's ``OUTPUT_DIR/checkpoint-<step>/``; ``resume``
   continues from the latest with ``resume_from_checkpoint`` (model,
-  optimizer, scheduler, RNG and data position restored by transformers).
+  optimizer, scheduler, RNG and data position restored by transformers),
+  and each epoch's prompt order is drawn from ``seed + epoch`` so that a
+  resumed run reads the prompts in the same order as an uninterrupted one
+  (TRL's sampler would replay the first epoch's order after a restart).
 * Every log entry is also a line of ``OUTPUT_DIR/history.jsonl`` (rewritten
   from the restored state on resume, so it never holds an entry twice).
 * The final policy goes to ``OUTPUT_DIR/final/`` with its tokenizer or
@@ -190,7 +193,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
     if not resume and is_main and (output_dir / SAMPLES).exists():
         (output_dir / SAMPLES).unlink()  # a fresh run's samples only
-    trainer_class = GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer
+    trainer_class = _resumable(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer)
     trainer = trainer_class(
         model=policy.model,
         reward_funcs=monitor.wrap(rewards),
@@ -200,9 +203,46 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
         peft_config=lora_config(config, policy.kind),
         callbacks=[HistoryCallback(output_dir), *(callbacks or [])],
     )
+    if not progress:
+        from transformers import PrinterCallback
+
+        trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
     trainer.train(resume_from_checkpoint=checkpoint)
     save_final(config, trainer, output_dir / "final")
     return trainer
+
+
+def _resumable(trainer_class: type) -> type:
+    """``trainer_class`` whose prompt order survives a restart.
+
+    TRL's ``RepeatSampler`` draws each epoch's permutation from one generator
+    seeded once, so a run resumed in epoch k >= 1 replays epoch 0's order (a
+    fresh generator; transformers' ``set_epoch`` does not reach it). Here the
+    permutation of epoch k is drawn from ``seed + k``, k read from the
+    trainer's state (restored from the checkpoint, fractional mid-epoch), so a
+    resumed run reads the prompts in the uninterrupted run's order."""
+    from trl.trainer.utils import RepeatSampler
+
+    class EpochSeededSampler(RepeatSampler):
+        def __init__(self, sampler: RepeatSampler, epoch_of) -> None:
+            super().__init__(sampler.data_source, sampler.mini_repeat_count, sampler.batch_size,
+                             sampler.repeat_count, sampler.shuffle, sampler.seed)
+            self.epoch_of = epoch_of
+
+        def __iter__(self):
+            if self.shuffle:
+                self.generator.manual_seed((self.seed or 0) + self.epoch_of())
+            return super().__iter__()
+
+    class Resumable(trainer_class):
+        def _get_train_sampler(self, dataset=None):
+            sampler = super()._get_train_sampler(dataset)
+            if not isinstance(sampler, RepeatSampler):
+                return sampler
+            return EpochSeededSampler(sampler, lambda: int(math.floor((self.state.epoch or 0) + 1e-9)))
+
+    Resumable.__name__ = Resumable.__qualname__ = trainer_class.__name__
+    return Resumable
 
 
 def save_final(config, trainer, final: Path) -> None:
