@@ -77,7 +77,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -92,7 +91,14 @@ import torch
 
 from storyrl.training.rl import monitor
 from storyrl.training.rl import ppo_math as pm
+from storyrl.training.rl.ppo_checkpoints import (
+    TRAINER_STATE,
+    find_latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from storyrl.training.rl.ppo_config import PPOConfig
+from storyrl.training.rl.ppo_rewards import call_rewards, combine_scores, reward_name
 from storyrl.training.rl.rollout import Rollout, make_adapter
 from storyrl.training.rl.value import PolicyAndValue, ValueHead, check_value_model, load_value_model, save_value_head
 
@@ -100,12 +106,7 @@ __all__ = ["PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
-TRAINER_STATE = "trainer_state.json"
-# Options a resumed run may change without a warning.
-_RESUME_MAY_CHANGE = {"max_steps", "total_episodes", "num_train_epochs", "save_steps", "save_total_limit",
-                      "logging_steps", "num_sample_stories", "report_to", "output_dir"}
-
-
+# Metrics of the optimisation; NaN for a step without an update (every sample masked).
 _UPDATE_METRICS = ("policy/entropy", "policy/approxkl", "policy/clipfrac", "loss/policy", "loss/value",
                    "val/clipfrac", "val/vpred")
 
@@ -117,18 +118,16 @@ class PPOResult:
     output_dir: str = ""
 
 
-def find_latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
-    """The complete ``checkpoint-<step>`` with the highest step, or None."""
-    best, best_step = None, -1
-    for path in Path(output_dir).glob("checkpoint-*"):
-        suffix = path.name[len("checkpoint-"):]
-        if suffix.isdigit() and (path / TRAINER_STATE).is_file() and int(suffix) > best_step:
-            best, best_step = path, int(suffix)
-    return best
+@dataclass
+class _Batch:
+    """What the optimisation of one step needs, per response token (N, T)."""
 
-
-def _reward_name(func: Any) -> str:
-    return getattr(func, "__name__", None) or getattr(func, "name", None) or type(func).__name__
+    rollout: Rollout
+    old_logprobs: torch.Tensor
+    values: torch.Tensor
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    train_mask: torch.Tensor  # real tokens of scorable stories
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -185,7 +184,7 @@ class PPOTrainer:
         if not funcs or not all(callable(f) for f in funcs):
             raise TypeError("PPOTrainer: reward_funcs must be a callable or a non-empty list of callables")
         self.reward_funcs = funcs
-        self.reward_names = [_reward_name(f) for f in funcs]
+        self.reward_names = [reward_name(f) for f in funcs]
         weights = [1.0] * len(funcs) if reward_weights is None else [float(w) for w in reward_weights]
         if len(weights) != len(funcs):
             raise ValueError(f"PPOTrainer: {len(weights)} reward weights for {len(funcs)} reward functions")
@@ -237,20 +236,17 @@ class PPOTrainer:
         if not params:
             raise ValueError("PPOTrainer: the model has no trainable parameter")
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
-        world = self.accelerator.num_processes
-        self.global_batch = args.per_device_train_batch_size * world
+        self.global_batch = args.per_device_train_batch_size * self.accelerator.num_processes
         if args.max_steps is not None:
             self.num_steps = args.max_steps
         else:
             episodes = args.total_episodes or len(train_dataset) * args.num_train_epochs
             self.num_steps = max(1, math.ceil(episodes / self.global_batch))
         total_updates = self.num_steps * args.num_ppo_epochs * args.num_mini_batches
-        if args.lr_scheduler_type == "linear":
-            schedule = lambda n: max(0.0, 1.0 - n / total_updates)  # noqa: E731
-        else:
-            schedule = lambda n: 1.0  # noqa: E731
+        linear = args.lr_scheduler_type == "linear"
         # Not prepared: accelerate's scheduler wrapper steps once per process.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda n: max(0.0, 1.0 - n / total_updates) if linear else 1.0)
         self.model, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
         self.accelerator.register_for_checkpointing(self.scheduler)
 
@@ -261,7 +257,6 @@ class PPOTrainer:
         self.history: list[dict] = []
         self._orders: dict[int, list[int]] = {}
 
-    # -- construction helpers --------------------------------------------------------
     @staticmethod
     def _load_processing_class(model, is_tapm: bool):
         from transformers import AutoProcessor, AutoTokenizer
@@ -294,45 +289,6 @@ class PPOTrainer:
             rows.append(dict(self.train_dataset[self._order(epoch)[k]]))
         return rows
 
-    # -- rewards -----------------------------------------------------------------------------
-    def _call_reward(self, func, name: str, kwargs: dict, n: int, counts: dict) -> list:
-        try:
-            values = list(func(**kwargs))
-        except Exception as exc:  # isolate the completion(s) that break the batch
-            logger.warning("reward %r raised on a batch (%s: %s); scoring its completions one by one",
-                           name, type(exc).__name__, exc)
-            values = []
-            for i in range(n):
-                one = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-                try:
-                    values.extend(list(func(**one)) or [None])
-                except Exception as one_exc:
-                    counts[name] += 1
-                    values.append(None)
-                    last = one_exc
-            if counts[name] >= n:
-                raise RuntimeError(f"reward {name!r} failed for every completion of the step: "
-                                   f"{type(last).__name__}: {last}") from last
-        if len(values) != n:
-            raise ValueError(f"reward {name!r} returned {len(values)} values for {n} completions")
-        return [math.nan if v is None else float(v) for v in values]
-
-    def _rewards(self, rows: list[dict], rollout: Rollout) -> tuple[torch.Tensor, dict, dict, dict]:
-        n = rollout.num_stories
-        keys = sorted({k for row in rows for k in row} - {"prompt"})
-        metrics: dict[str, list[float]] = defaultdict(list)
-        extras: dict[str, list] = {}
-        kwargs = {k: [row.get(k) for row in rows] for k in keys}
-        kwargs.update(prompts=rollout.prompts, completions=rollout.completions,
-                      completion_ids=rollout.completion_ids, trainer_state=None,
-                      log_metric=lambda name, value: metrics[name].append(float(value)),
-                      log_extra=lambda column, values: extras.__setitem__(column, list(values)))
-        out = torch.full((n, len(self.reward_funcs)), math.nan)
-        errors: dict[str, int] = defaultdict(int)
-        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_names)):
-            out[:, i] = torch.tensor(self._call_reward(func, name, kwargs, n, errors), dtype=torch.float32)
-        return out, {k: sum(v) / len(v) for k, v in metrics.items() if v}, extras, dict(errors)
-
     # -- forward passes -----------------------------------------------------------------------
     def _micro_stories(self) -> int:
         a = self.args
@@ -349,67 +305,57 @@ class PPOTrainer:
         log-probabilities, at every response token (0 past the end)."""
         N, T = rollout.response.shape
         Q = rollout.query.shape[1]
-        logprobs, ref_logprobs, values = (torch.zeros(N, T, device=rollout.response.device) for _ in range(3))
-        policy = self.policy
+        device = rollout.response.device
+        logprobs, ref_logprobs, values = (torch.zeros(N, T, device=device) for _ in range(3))
         chunk = self._micro_stories()
         for start in range(0, rollout.num_stories, chunk):
-            stories = torch.arange(start, min(start + chunk, rollout.num_stories), device=rollout.response.device)
+            stories = torch.arange(start, min(start + chunk, rollout.num_stories), device=device)
             seqs, inputs = self.adapter.model_inputs(rollout, stories)
             with self.accelerator.autocast():
                 logits, v = self.model(inputs, Q, T)
-                ref_logits = self.adapter.reference_forward(policy, self.ref_model, inputs).logits[:, Q - 1 : Q - 1 + T]
+                ref_out = self.adapter.reference_forward(self.policy, self.ref_model, inputs)
             response = rollout.response[seqs]
             logprobs[seqs] = self._logprobs(logits, response)
-            ref_logprobs[seqs] = self._logprobs(ref_logits, response)
+            ref_logprobs[seqs] = self._logprobs(ref_out.logits[:, Q - 1 : Q - 1 + T], response)
             values[seqs] = v.float()
         mask = rollout.response_mask()
         return logprobs * mask, ref_logprobs * mask, values * mask
 
-    # -- one PPO step ------------------------------------------------------------------------------
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.gather(tensor) if self.accelerator.num_processes > 1 else tensor
 
-    def _step(self, step: int) -> tuple[dict[str, float], list[dict]]:
-        from trl.models.utils import unwrap_model_for_generation
-        from trl.trainer.utils import entropy_from_logits
-
-        args, acc = self.args, self.accelerator
-        device = acc.device
-        timings: dict[str, float] = {}
-        started = time.perf_counter()
-        rows = self._rows(step)
-        self.model.eval()
-        with torch.no_grad(), unwrap_model_for_generation(self.model, acc) as unwrapped:
-            rollout = self.adapter.rollout(unwrapped.policy, rows)
-        timings["time/generation"] = time.perf_counter() - started
-        tick = time.perf_counter()
-        old_logprobs, ref_logprobs, values = self._evaluate(rollout)
-        timings["time/forward"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-        per_func, reward_metrics, extras, errors = self._rewards(rows, rollout)
-        timings["time/reward"] = time.perf_counter() - tick
-        tick = time.perf_counter()
-
-        # -- scores -----------------------------------------------------------------------------
-        weights = self.reward_weights
-        used = per_func[:, weights != 0]
-        valid = ~torch.isnan(used).any(dim=1)
-        scores = torch.where(weights != 0, torch.nan_to_num(per_func, nan=0.0), 0.0) @ weights
-        raw_scores = scores.clone()
-        truncated = torch.zeros(rollout.num_stories)
-        truncated.index_add_(0, rollout.story.cpu(), (~rollout.ended).float().cpu())
+    # -- one PPO step ------------------------------------------------------------------------------
+    def _scores(self, raw: torch.Tensor, valid: torch.Tensor, rollout: Rollout) -> torch.Tensor:
+        """Story scores after the missing-EOS penalty (per sequence without
+        the stop token), running-moments scaling and clipping; 0 for
+        unscorable stories."""
+        args = self.args
+        scores = raw.clone()
         if args.missing_eos_penalty is not None:
+            truncated = torch.zeros(rollout.num_stories).index_add_(0, rollout.story.cpu(),
+                                                                    (~rollout.ended).float().cpu())
             scores = scores - args.missing_eos_penalty * truncated
         if args.use_score_scaling:
-            self.moments.update(_gather_valid(acc, scores.to(device), valid.to(device)))
+            self.moments.update(self._gather_valid(scores, valid))
             mean = self.moments.mean if args.use_score_norm else None
             scores = pm.scale_scores(scores, mean=mean, std=self.moments.std, clip=args.score_clip)
         elif args.score_clip is not None:
             scores = pm.scale_scores(scores, clip=args.score_clip)
-        scores = torch.where(valid, scores, 0.0).to(device)
-        valid = valid.to(device)
+        return torch.where(valid, scores, 0.0)
 
-        # -- per-token rewards, advantages ----------------------------------------------------
+    def _gather_valid(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The valid scores of every process (equal-size gathers, then filtered)."""
+        if self.accelerator.num_processes == 1:
+            return scores[valid]
+        device = self.accelerator.device
+        all_scores, all_valid = self.accelerator.gather(scores.to(device)), self.accelerator.gather(valid.to(device))
+        return all_scores[all_valid.bool()]
+
+    def _advantages(self, rollout: Rollout, scores: torch.Tensor, valid: torch.Tensor, old_logprobs, ref_logprobs,
+                    values) -> tuple[_Batch, torch.Tensor, torch.Tensor, float]:
+        """Per-token KL and rewards, GAE, whitening. Returns the batch, the
+        KL and non-score rewards per token and the KL coefficient used."""
+        args = self.args
         mask = rollout.response_mask()
         train_mask = mask & valid[rollout.story].unsqueeze(1)
         kl_coef = self.kl_ctl.value
@@ -420,101 +366,134 @@ class PPOTrainer:
         advantages, returns = pm.gae(rewards, values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
             advantages = pm.masked_whiten(advantages, train_mask)
-        advantages = advantages * train_mask
+        batch = _Batch(rollout, old_logprobs, values, advantages * train_mask, returns, train_mask)
+        return batch, kl, non_score, kl_coef
 
-        # -- optimisation -------------------------------------------------------------------------
-        lr = self.scheduler.get_last_lr()[0]  # the step's first update's
+    def _update(self, batch: _Batch, step: int) -> tuple[dict[str, list[float]], int, bool]:
+        """``num_ppo_epochs`` passes of minibatch updates. Returns the
+        per-micro-batch statistics, the optimizer steps taken and whether
+        early stopping ended the passes."""
+        from trl.trainer.utils import entropy_from_logits
+
+        args, acc = self.args, self.accelerator
+        rollout = batch.rollout
+        stats: dict[str, list[float]] = defaultdict(list)
+        has_valid = batch.train_mask.any().float().reshape(1)
+        if acc.num_processes > 1:
+            has_valid = acc.reduce(has_valid, reduction="sum")
+        if not has_valid.item():
+            return stats, 0, False
         self.model.train()
         Q, T = rollout.query.shape[1], rollout.response.shape[1]
         B = rollout.num_stories
         mb, gas = B // args.num_mini_batches, args.gradient_accumulation_steps
         micro = mb // gas
-        has_valid = acc.reduce(train_mask.any().float().reshape(1), reduction="sum").item() > 0 \
-            if acc.num_processes > 1 else bool(train_mask.any())
-        stats: dict[str, list[float]] = defaultdict(list)
-        updates, early_stopped = 0, False
+        updates = 0
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * step + 1)
-        for _ in range(args.num_ppo_epochs if has_valid else 0):
-            order = torch.randperm(B, generator=gen).to(device)
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(B, generator=gen).to(acc.device)
             for m in range(args.num_mini_batches):
                 kls = []
                 for k in range(gas):
                     stories = order[m * mb + k * micro : m * mb + (k + 1) * micro]
                     seqs, inputs = self.adapter.model_inputs(rollout, stories)
-                    sync = acc.no_sync(self.model) if k < gas - 1 else nullcontext()
-                    with sync:
+                    tm = batch.train_mask[seqs]
+                    with acc.no_sync(self.model) if k < gas - 1 else nullcontext():
                         with acc.autocast():
                             logits, vpred = self.model(inputs, Q, T)
                         new_logprobs = self._logprobs(logits, rollout.response[seqs])
-                        tm = train_mask[seqs]
                         pg_loss, pg_clipfrac, approx_kl = pm.policy_loss(
-                            new_logprobs, old_logprobs[seqs], advantages[seqs], tm, args.cliprange)
-                        vf_loss, vf_clipfrac = pm.value_loss(vpred, values[seqs], returns[seqs], tm,
+                            new_logprobs, batch.old_logprobs[seqs], batch.advantages[seqs], tm, args.cliprange)
+                        vf_loss, vf_clipfrac = pm.value_loss(vpred, batch.values[seqs], batch.returns[seqs], tm,
                                                              args.cliprange_value)
-                        loss = pg_loss + args.vf_coef * vf_loss
-                        acc.backward(loss / gas)
+                        acc.backward((pg_loss + args.vf_coef * vf_loss) / gas)
                     with torch.no_grad():
                         entropy = entropy_from_logits(logits.float() / args.temperature)
-                        stats["policy/entropy"].append(pm.masked_mean(entropy, tm).item())
-                        stats["policy/approxkl"].append(approx_kl.item())
-                        stats["policy/clipfrac"].append(pg_clipfrac.item())
-                        stats["loss/policy"].append(pg_loss.item())
-                        stats["loss/value"].append(vf_loss.item())
-                        stats["val/clipfrac"].append(vf_clipfrac.item())
-                        stats["val/vpred"].append(pm.masked_mean(vpred, tm).item())
-                        kls.append(approx_kl.item())
+                        for key, value in (("policy/entropy", pm.masked_mean(entropy, tm)),
+                                           ("policy/approxkl", approx_kl), ("policy/clipfrac", pg_clipfrac),
+                                           ("loss/policy", pg_loss), ("loss/value", vf_loss),
+                                           ("val/clipfrac", vf_clipfrac), ("val/vpred", pm.masked_mean(vpred, tm))):
+                            stats[key].append(float(value))
+                    kls.append(float(approx_kl))
                 minibatch_kl = sum(kls) / len(kls)
-                if acc.num_processes > 1:
-                    minibatch_kl = acc.reduce(torch.tensor([minibatch_kl], device=device), reduction="mean").item()
+                if acc.num_processes > 1:  # every process takes the same decision
+                    minibatch_kl = acc.reduce(torch.tensor([minibatch_kl], device=acc.device), "mean").item()
                 if args.early_stopping and minibatch_kl > 1.5 * args.target_kl:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    early_stopped = True
-                    break
+                    self.optimizer.zero_grad(set_to_none=True)  # this minibatch's update is not applied
+                    return stats, updates, True
                 if args.max_grad_norm is not None:
                     acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 updates += 1
-            if early_stopped:
-                break
-        timings["time/optimization"] = time.perf_counter() - tick
+        return stats, updates, False
 
-        # -- KL controller, metrics ---------------------------------------------------------------
-        story_kl = torch.zeros(B, device=device).index_add_(0, rollout.story, kl.sum(dim=1))
-        story_non_score = torch.zeros(B, device=device).index_add_(0, rollout.story, non_score.sum(dim=1))
-        story_entropy = torch.zeros(B, device=device).index_add_(0, rollout.story, (-old_logprobs * mask).sum(dim=1))
-        all_kl = self._gather(story_kl)
-        self.kl_ctl.update(float(all_kl.mean()), self.global_batch)
+    def _step(self, step: int) -> tuple[dict[str, float], list[dict]]:
+        from trl.models.utils import unwrap_model_for_generation
 
-        gathered = self._gather(per_func.to(device))
-        all_valid = self._gather(valid.float())
-        all_raw = self._gather(raw_scores.to(device))
+        acc = self.accelerator
+        device = acc.device
+        timings: dict[str, float] = {}
+        started = tick = time.perf_counter()
+
+        def lap(name: str) -> None:
+            nonlocal tick
+            now = time.perf_counter()
+            timings[name], tick = now - tick, now
+
+        rows = self._rows(step)
+        self.model.eval()
+        with torch.no_grad(), unwrap_model_for_generation(self.model, acc) as unwrapped:
+            rollout = self.adapter.rollout(unwrapped.policy, rows)
+        lap("time/generation")
+        old_logprobs, ref_logprobs, values = self._evaluate(rollout)
+        lap("time/forward")
+        rewards = call_rewards(self.reward_funcs, self.reward_names, rows, rollout.prompts, rollout.completions,
+                               rollout.completion_ids)
+        lap("time/reward")
+        raw, valid = combine_scores(rewards.values, self.reward_weights)
+        scores = self._scores(raw, valid, rollout).to(device)
+        batch, kl, non_score, kl_coef = self._advantages(rollout, scores, valid.to(device), old_logprobs,
+                                                         ref_logprobs, values)
+        lr = self.scheduler.get_last_lr()[0]  # that of the step's first update
+        stats, updates, early_stopped = self._update(batch, step)
+        lap("time/optimization")
+
+        B = rollout.num_stories
+        per_story = lambda x: torch.zeros(B, device=device).index_add_(0, rollout.story, x.sum(dim=1))  # noqa: E731
+        story_kl = self._gather(per_story(kl))
+        self.kl_ctl.update(float(story_kl.mean()), self.global_batch)
+
         metrics: dict[str, float] = {}
+        values_all = self._gather(rewards.values.to(device))
         for i, name in enumerate(self.reward_names):
-            column = gathered[:, i]
-            scored = column[~torch.isnan(column)]
+            scored = values_all[:, i][~torch.isnan(values_all[:, i])]
             metrics[f"rewards/{name}/mean"] = scored.mean().item() if scored.numel() else math.nan
             metrics[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else math.nan
-            metrics[f"rewards/{name}/errors"] = float(errors.get(name, 0))
-        metrics.update(reward_metrics)
-        ok = all_valid.bool()
-        metrics["reward"] = all_raw[ok].mean().item() if ok.any() else math.nan
-        metrics["ppo/masked_frac"] = 1.0 - all_valid.mean().item()
-        metrics["ppo/truncated_frac"] = self._gather((~rollout.ended).float()).mean().item()
-        metrics["objective/scores"] = metrics["reward"]
-        metrics["objective/kl"] = all_kl.mean().item()
-        metrics["objective/kl_coef"] = kl_coef
-        metrics["objective/entropy"] = self._gather(story_entropy).mean().item()
-        metrics["objective/non_score_reward"] = self._gather(story_non_score).mean().item()
+            metrics[f"rewards/{name}/errors"] = float(rewards.errors.get(name, 0))
+        metrics.update(rewards.metrics)
+        ok = self._gather(valid.to(device).float()).bool()
+        raw_all = self._gather(raw.to(device))
+        story_non_score = per_story(non_score)
         rlhf = self._gather(scores + story_non_score)
-        metrics["objective/rlhf_reward"] = rlhf[ok].mean().item() if ok.any() else math.nan
-        for key in _UPDATE_METRICS:  # NaN for a step without an update (every sample masked)
+        metrics.update({
+            "reward": raw_all[ok].mean().item() if ok.any() else math.nan,
+            "ppo/masked_frac": 1.0 - ok.float().mean().item(),
+            "ppo/truncated_frac": self._gather((~rollout.ended).float()).mean().item(),
+            "objective/kl": story_kl.mean().item(),
+            "objective/kl_coef": kl_coef,
+            "objective/entropy": self._gather(per_story(-old_logprobs)).mean().item(),
+            "objective/non_score_reward": self._gather(story_non_score).mean().item(),
+            "objective/rlhf_reward": rlhf[ok].mean().item() if ok.any() else math.nan,
+            "ppo/updates": float(updates),
+            "ppo/early_stopped": float(early_stopped),
+            "lr": lr,
+            "episode": float((step + 1) * self.global_batch),
+        })
+        metrics["objective/scores"] = metrics["reward"]
+        for key in _UPDATE_METRICS:
             metrics[key] = sum(stats[key]) / len(stats[key]) if stats[key] else math.nan
-        metrics["ppo/updates"] = float(updates)
-        metrics["ppo/early_stopped"] = float(early_stopped)
-        metrics["lr"] = lr
-        metrics["episode"] = float((step + 1) * self.global_batch)
         texts, lengths = rollout.texts, rollout.story_token_lengths()
         if acc.num_processes > 1:
             from accelerate.utils import gather_object
@@ -523,11 +502,10 @@ class PPOTrainer:
         metrics.update(monitor.story_stats(texts, lengths))
         timings["time/step"] = time.perf_counter() - started
         metrics.update(timings)
-        samples = monitor.sample_stories(rollout.texts, [r if v else None for r, v in
-                                                         zip(raw_scores.tolist(), valid.tolist())],
-                                         k=self.args.num_sample_stories)
-        for column, values_ in extras.items():
-            for sample, value in zip(samples, values_):
+        shown = [r if v else None for r, v in zip(raw.tolist(), valid.tolist())]
+        samples = monitor.sample_stories(rollout.texts, shown, k=self.args.num_sample_stories)
+        for column, column_values in rewards.extras.items():
+            for sample, value in zip(samples, column_values):
                 sample[column] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
         return metrics, samples
 
@@ -545,13 +523,18 @@ class PPOTrainer:
             if checkpoint is None:
                 raise FileNotFoundError(f"resume=True but {self.output_dir} holds no checkpoint-<step>/ "
                                         f"with {TRAINER_STATE}")
-            self._load_checkpoint(checkpoint)
+            state = load_checkpoint(acc, checkpoint, args.to_dict())  # also the RNG of the next step
+            self.step = int(state["step"])
+            self.kl_ctl.value = float(state["kl_coef"])
+            self.moments.load_state_dict(state["moments"])
+            self.history = list(state["history"])
         elif main and find_latest_checkpoint(self.output_dir) is not None:
             logger.warning("%s already holds checkpoints; starting afresh (resume=True continues them)",
                            self.output_dir)
         history_path = self.output_dir / "history.jsonl"
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            # Rewritten from the checkpoint: drops records of steps after it.
             history_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
         acc.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
                                                   if isinstance(v, (int, float, str, bool))})
@@ -564,68 +547,30 @@ class PPOTrainer:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 masked=f"{metrics['ppo/masked_frac']:.2f}")
                 if self.step % args.logging_steps == 0 or self.step == self.num_steps:
-                    record = {"step": self.step, **{k: _finite_or_none(v) for k, v in metrics.items()},
-                              "samples": samples}
-                    self.history.append(record)
-                    acc.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.step)
-                    if main:
-                        with open(history_path, "a", encoding="utf-8") as f:
-                            f.write(json.dumps(record) + "\n")
-                        logger.info("step %d: reward %.4f, kl %.4f, masked %.2f, policy loss %s, value loss %s",
-                                    self.step, metrics["reward"], metrics["objective/kl"],
-                                    metrics["ppo/masked_frac"], metrics.get("loss/policy"),
-                                    metrics.get("loss/value"))
-                        for sample in samples:
-                            logger.info("  sample (reward %s): %s", sample["reward"], sample["story"][:300])
+                    self._log(metrics, samples, history_path)
                 if args.save_steps is not None and (self.step % args.save_steps == 0 or self.step == self.num_steps):
-                    self._save_checkpoint()
+                    state = {"step": self.step, "kl_coef": self.kl_ctl.value, "moments": self.moments.state_dict(),
+                             "history": self.history, "config": args.to_dict()}
+                    save_checkpoint(acc, self.output_dir, self.step, state, keep=args.save_total_limit)
         finally:
             bar.close()
             acc.end_training()
         return PPOResult(steps=self.step, history=list(self.history), output_dir=str(self.output_dir))
 
-    # -- checkpoints ---------------------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        acc = self.accelerator
-        final = self.output_dir / f"checkpoint-{self.step}"
-        tmp = self.output_dir / f"checkpoint-{self.step}.tmp"
-        if acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
-        acc.wait_for_everyone()
-        acc.save_state(str(tmp))  # model + value head, optimizer, scheduler, every process's RNG
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            state = {"step": self.step, "kl_coef": self.kl_ctl.value, "moments": self.moments.state_dict(),
-                     "history": self.history, "config": self.args.to_dict()}
-            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._rotate_checkpoints()
-        acc.wait_for_everyone()
-
-    def _rotate_checkpoints(self) -> None:
-        limit = self.args.save_total_limit
-        if limit is None:
+    def _log(self, metrics: dict[str, float], samples: list[dict], history_path: Path) -> None:
+        """history.jsonl (with the samples), the trackers (scalars) and the console."""
+        record = {"step": self.step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "samples": samples}
+        self.history.append(record)
+        self.accelerator.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.step)
+        if not self.accelerator.is_main_process:
             return
-        found = sorted((int(p.name.split("-")[1]), p) for p in self.output_dir.glob("checkpoint-*")
-                       if p.name.split("-")[1].isdigit())
-        for _, path in found[:-limit]:
-            shutil.rmtree(path, ignore_errors=True)
-
-    def _load_checkpoint(self, checkpoint: Path) -> None:
-        self.accelerator.load_state(str(checkpoint))  # also restores the RNG of the step that follows
-        state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-        self.step = int(state["step"])
-        self.kl_ctl.value = float(state["kl_coef"])
-        self.moments.load_state_dict(state["moments"])
-        self.history = list(state["history"])
-        now = self.args.to_dict()
-        changed = sorted(k for k, v in state.get("config", {}).items()
-                         if k not in _RESUME_MAY_CHANGE and now.get(k, v) != v)
-        if changed:
-            logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
-        logger.info("resuming from %s (step %d)", checkpoint, self.step)
+        with open(history_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        logger.info("step %d: reward %.4f, kl %.4f, masked %.2f, policy loss %.4f, value loss %.4f", self.step,
+                    metrics["reward"], metrics["objective/kl"], metrics["ppo/masked_frac"], metrics["loss/policy"],
+                    metrics["loss/value"])
+        for sample in samples:
+            logger.info("  sample (reward %s): %s", sample["reward"], sample["story"][:300])
 
     # -- saving the policy ------------------------------------------------------------------------------
     def save_model(self, directory: str | os.PathLike) -> None:
@@ -640,12 +585,3 @@ class PPOTrainer:
             if unwrapped.value_head is not None:
                 save_value_head(unwrapped.value_head, directory)
         self.accelerator.wait_for_everyone()
-
-
-def _gather_valid(acc, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The valid scores of every process (equal-size gathers, then filtered)."""
-    if acc.num_processes == 1:
-        return scores[valid]
-    all_scores, all_valid = acc.gather(scores), acc.gather(valid)
-    return all_scores[all_valid.bool()]
-

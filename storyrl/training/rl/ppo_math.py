@@ -113,7 +113,8 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
     raise ValueError(f"kl estimator must be k1 or k3, got {estimator!r}")
 
 
-def token_rewards(kl: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+def token_rewards(kl: torch.Tensor, scores: torch.Tensor, mask: torch.Tensor,
+                  kl_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards ``−kl_coef · kl`` on the masked tokens, plus each
     row's score at its last real token (the last true entry of its mask
     row). Rows with no real token get no score. Returns ``(rewards,

@@ -98,7 +98,8 @@ class Rollout:
 
 
 def truncate_responses(response: torch.Tensor, stop_token_id: int | None, pad_token_id: int,
-                       generated_lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       generated_lengths: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cut each row after its first ``stop_token_id`` (the stop token kept,
     everything after it set to ``pad_token_id``). Returns ``(response,
     lengths, ended)``: ``lengths`` counts the kept tokens, ``ended`` tells
