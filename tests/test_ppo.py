@@ -280,6 +280,66 @@ def test_vlm_policy_two_steps(tmp_path, vlm, lora):
         assert changed(initial, snapshot(trainer.ref_model)) == set()
 
 
+def sampling_logprobs_agree(trainer, rows):
+    """The log-probabilities PPO computes in its forward (left padding,
+    positions, the response window, kept logits) equal those generate()
+    sampled from (its processed scores: tempered, suppressed tokens
+    removed), at every real response token."""
+    from storyrl.training.rl.rollout import response_logits
+
+    policy = trainer.policy
+    generate, captured = policy.generate, {}
+
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs, output_scores=True, return_dict_in_generate=True)
+        captured["scores"] = torch.stack(out.scores, dim=1)
+        return out.sequences
+
+    policy.generate = recording_generate
+    try:
+        with torch.no_grad():
+            rollout = trainer.adapter.rollout(policy, rows)
+            stories = torch.arange(len(rows))
+            seqs, inputs = trainer.adapter.model_inputs(rollout, stories)
+            Q, T = rollout.query.shape[1], rollout.response.shape[1]
+            logits = response_logits(trainer.adapter.forward(policy, inputs, response_length=T).logits, Q, T)
+            ours = trainer._logprobs(logits, rollout.response)
+    finally:
+        del policy.generate
+    theirs = torch.log_softmax(captured["scores"].float(), dim=-1).gather(-1, rollout.response.unsqueeze(-1))[..., 0]
+    mask = rollout.response_mask()
+    assert len(set(rollout.query_mask.sum(dim=1).tolist())) > 1  # prompts of different lengths: left padding
+    assert mask.sum() > len(rows)
+    torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])  # rotary and absolute positions
+def test_forward_logprobs_equal_the_sampling_distribution_text(tmp_path, kind):
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    tokenizer = tiny_models.chat_tokenizer(CORPUS)
+    args = ppo_args(tmp_path, temperature=0.7, response_length=6)
+    model = tiny_models.tiny_llama(tokenizer) if kind == "llama" else tiny_models.tiny_gpt2(tokenizer)
+    trainer = PPOTrainer(model, WordCount(), args, text_dataset(), processing_class=tokenizer)
+    rows = [{"prompt": [{"role": "user", "content": p}]} for p in (PROMPT, "Tell me a story.", "The sea was blue.")]
+    sampling_logprobs_agree(trainer, rows)
+
+
+def test_forward_logprobs_equal_the_sampling_distribution_vlm(tmp_path, vlm):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    processor = AutoProcessor.from_pretrained(vlm["dir"])
+    processor.chat_template = tiny_models.LLAVA_CHAT_TEMPLATE
+    model = AutoModelForImageTextToText.from_pretrained(vlm["dir"])
+    dataset = vlm_dataset(vlm["images"])
+    trainer = PPOTrainer(model, WordCount(), ppo_args(tmp_path, temperature=0.7, response_length=6), dataset,
+                         processing_class=processor)
+    assert trainer.adapter.suppressed == (processor.tokenizer.convert_tokens_to_ids("<image>"),)
+    sampling_logprobs_agree(trainer, [dict(dataset[k]) for k in range(3)])
+
+
 def test_select_multimodal_cuts_images_per_sequence():
     from storyrl.training.rl.rollout import select_multimodal
 

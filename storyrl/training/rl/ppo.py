@@ -99,7 +99,7 @@ from storyrl.training.rl.ppo_checkpoints import (
 )
 from storyrl.training.rl.ppo_config import PPOConfig
 from storyrl.training.rl.ppo_rewards import call_rewards, combine_scores, reward_name
-from storyrl.training.rl.rollout import Rollout, make_adapter
+from storyrl.training.rl.rollout import Rollout, make_adapter, response_logits
 from storyrl.training.rl.value import PolicyAndValue, ValueHead, check_value_model, load_value_model, save_value_head
 
 __all__ = ["PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
@@ -294,10 +294,22 @@ class PPOTrainer:
         a = self.args
         return a.per_device_train_batch_size // a.num_mini_batches // a.gradient_accumulation_steps
 
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the distribution the rollouts sample from: divided
+        by the temperature, suppressed tokens (a VLM's image placeholders)
+        excluded (a large negative value rather than -inf keeps the entropy
+        finite)."""
+        logits = logits.float() / self.args.temperature
+        suppressed = self.adapter.suppressed
+        if suppressed:
+            index = torch.tensor(suppressed, device=logits.device)
+            logits = logits.index_fill(-1, index, torch.finfo(logits.dtype).min)
+        return logits
+
     def _logprobs(self, logits: torch.Tensor, response: torch.Tensor) -> torch.Tensor:
         from trl.trainer.utils import selective_log_softmax
 
-        return selective_log_softmax(logits.float() / self.args.temperature, response)
+        return selective_log_softmax(self._tempered(logits), response)
 
     @torch.no_grad()
     def _evaluate(self, rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -313,10 +325,10 @@ class PPOTrainer:
             seqs, inputs = self.adapter.model_inputs(rollout, stories)
             with self.accelerator.autocast():
                 logits, v = self.model(inputs, Q, T)
-                ref_out = self.adapter.reference_forward(self.policy, self.ref_model, inputs)
+                ref_out = self.adapter.reference_forward(self.policy, self.ref_model, inputs, T)
             response = rollout.response[seqs]
             logprobs[seqs] = self._logprobs(logits, response)
-            ref_logprobs[seqs] = self._logprobs(ref_out.logits[:, Q - 1 : Q - 1 + T], response)
+            ref_logprobs[seqs] = self._logprobs(response_logits(ref_out.logits, Q, T), response)
             values[seqs] = v.float()
         mask = rollout.response_mask()
         return logprobs * mask, ref_logprobs * mask, values * mask
@@ -408,7 +420,7 @@ class PPOTrainer:
                                                              args.cliprange_value)
                         acc.backward((pg_loss + args.vf_coef * vf_loss) / gas)
                     with torch.no_grad():
-                        entropy = entropy_from_logits(logits.float() / args.temperature)
+                        entropy = entropy_from_logits(self._tempered(logits))
                         for key, value in (("policy/entropy", pm.masked_mean(entropy, tm)),
                                            ("policy/approxkl", approx_kl), ("policy/clipfrac", pg_clipfrac),
                                            ("loss/policy", pg_loss), ("loss/value", vf_loss),

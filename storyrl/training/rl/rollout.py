@@ -29,6 +29,7 @@ sequences travel together, which TAPM's story-level visual encoder needs);
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,7 @@ __all__ = [
     "TapmAdapter",
     "VisionLanguageAdapter",
     "make_adapter",
+    "response_logits",
     "select_multimodal",
     "truncate_responses",
 ]
@@ -97,6 +99,14 @@ class Rollout:
         return totals.tolist()
 
 
+def response_logits(logits: torch.Tensor, context_length: int, response_length: int) -> torch.Tensor:
+    """The logits predicting the response tokens, (n, T, V): from a full
+    forward (positions Q − 1 … Q + T − 2) or one that kept the last T + 1."""
+    if logits.shape[1] == response_length + 1:
+        return logits[:, :response_length]
+    return logits[:, context_length - 1 : context_length - 1 + response_length]
+
+
 def truncate_responses(response: torch.Tensor, stop_token_id: int | None, pad_token_id: int,
                        generated_lengths: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,6 +148,15 @@ def _generation_config(args, stop_token_id: int | None, pad_token_id: int, suppr
     )
 
 
+def _to(value: Any, device, dtype) -> Any:
+    """A processor output on the policy's device; pixel values in its dtype."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.is_floating_point() and dtype is not None and dtype.is_floating_point:
+        return value.to(device=device, dtype=dtype)
+    return value.to(device)
+
+
 def _checkpointing_on(model) -> None:
     """Non-reentrant activation checkpointing (transformers 5 renamed
     gradient_checkpointing_enable; both spellings are accepted)."""
@@ -158,6 +177,8 @@ class PolicyAdapter:
 
     #: One sequence per story (False for TAPM).
     one_sequence_per_story: bool = True
+    #: Token ids never sampled (a VLM's image placeholders).
+    suppressed: tuple[int, ...] = ()
 
     def __init__(self, processing_class, args) -> None:
         self.processing_class = processing_class
@@ -190,9 +211,27 @@ class PolicyAdapter:
         """``(sequence indices, forward kwargs)`` for a set of stories."""
         raise NotImplementedError
 
-    def forward(self, policy, inputs: dict[str, Any], output_hidden_states: bool = False):
-        """The policy's output (``logits``, ``hidden_states``) on ``inputs``."""
-        return policy(**inputs, output_hidden_states=output_hidden_states, use_cache=False)
+    def forward(self, policy, inputs: dict[str, Any], output_hidden_states: bool = False,
+                response_length: int | None = None):
+        """The policy's output (``logits``, ``hidden_states``) on ``inputs``.
+        With ``response_length`` T, models that support it compute the logits
+        of the last T + 1 positions only (``logits_to_keep``): the response's
+        (a VLM's image tokens would otherwise cost a vocabulary-wide row
+        each); read them with :func:`response_logits`."""
+        return policy(**inputs, output_hidden_states=output_hidden_states, use_cache=False,
+                      **self._keep(policy, response_length))
+
+    def _keep(self, model, response_length: int | None) -> dict[str, int]:
+        if response_length is None:
+            return {}
+        base = model.get_base_model() if _is_peft(model) else model
+        if type(base).__name__ == "TapmModel":
+            base = base.decoder.get_base_model() if _is_peft(base.decoder) else base.decoder
+        try:
+            accepts = "logits_to_keep" in inspect.signature(base.forward).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        return {"logits_to_keep": response_length + 1} if accepts else {}
 
     # -- shared --------------------------------------------------------------------
     def make_reference(self, policy):
@@ -207,11 +246,11 @@ class PolicyAdapter:
         reference.eval().requires_grad_(False)
         return reference
 
-    def reference_forward(self, policy, reference, inputs: dict[str, Any]):
+    def reference_forward(self, policy, reference, inputs: dict[str, Any], response_length: int | None = None):
         if reference is not None:
-            return self.forward(reference, inputs)
+            return self.forward(reference, inputs, response_length=response_length)
         with policy.disable_adapter():
-            return self.forward(policy, inputs)
+            return self.forward(policy, inputs, response_length=response_length)
 
     def hidden_size(self, policy) -> int:
         config = policy.config
@@ -251,9 +290,6 @@ class CausalLMAdapter(PolicyAdapter):
                                  add_special_tokens=not conversational)
         return dict(encoded), conversational, [0] * len(rows)
 
-    #: Token ids never sampled (a VLM's image placeholders).
-    suppressed: tuple[int, ...] = ()
-
     def _generate(self, policy, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
         config = _generation_config(self.args, self.stop_token_id, self.pad_token_id, self.suppressed)
         out = policy.generate(**encoded, generation_config=config)
@@ -262,7 +298,8 @@ class CausalLMAdapter(PolicyAdapter):
     def rollout(self, policy, rows: list[dict]) -> Rollout:
         device = next(policy.parameters()).device
         encoded, conversational, num_images = self._encode(rows)
-        encoded = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in encoded.items()}
+        dtype = getattr(policy, "dtype", None)
+        encoded = {k: _to(v, device, dtype) for k, v in encoded.items()}
         new = self._generate(policy, encoded)
         response, lengths, ended = truncate_responses(new, self.stop_token_id, self.pad_token_id)
         texts = [self.decode(r[:n]) for r, n in zip(response, lengths.tolist())]
@@ -294,9 +331,11 @@ class CausalLMAdapter(PolicyAdapter):
 class VisionLanguageAdapter(CausalLMAdapter):
     """Image-text-to-text policies with a processor (see the module docs).
 
-    The model's image/video placeholder tokens are suppressed in sampling: a
+    The model's image/video placeholder tokens are suppressed in sampling (a
     sampled placeholder would make the next forward expect image features
-    for it (a real model practically never samples one; a random one does)."""
+    for it; a real model practically never samples one, a random one does),
+    and PPO's log-probabilities exclude them too, so that they are those of
+    the distribution sampled from."""
 
     def __init__(self, processing_class, args, policy=None) -> None:
         super().__init__(processing_class, args)
@@ -459,13 +498,15 @@ class TapmAdapter(PolicyAdapter):
             "image_mask": rollout.extra["image_mask"][index],
         }
 
-    def forward(self, policy, inputs: dict[str, Any], output_hidden_states: bool = False, visual=None):
+    def forward(self, policy, inputs: dict[str, Any], output_hidden_states: bool = False,
+                response_length: int | None = None, visual=None):
         visual = visual if visual is not None else policy.visual
         features = {k: v.to(dtype=visual.cls.dtype) for k, v in inputs["features"].items()}
         prefix, _, _ = visual(features, inputs["image_mask"])
         flat = prefix[inputs["image_mask"]]
         return policy(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], visual_prefix=flat,
-                      output_hidden_states=output_hidden_states, use_cache=False)
+                      output_hidden_states=output_hidden_states, use_cache=False,
+                      **self._keep(policy, response_length))
 
     def make_reference(self, policy):
         """A frozen copy of the whole model; with LoRA on the decoder only of
@@ -475,13 +516,13 @@ class TapmAdapter(PolicyAdapter):
             return visual.eval().requires_grad_(False)
         return super().make_reference(policy)
 
-    def reference_forward(self, policy, reference, inputs: dict[str, Any]):
+    def reference_forward(self, policy, reference, inputs: dict[str, Any], response_length: int | None = None):
         from storyrl.generators.tapm.encoder import VisualEncoder
 
         if isinstance(reference, VisualEncoder):
             with policy.decoder.disable_adapter():
-                return self.forward(policy, inputs, visual=reference)
-        return self.forward(reference, inputs)
+                return self.forward(policy, inputs, response_length=response_length, visual=reference)
+        return self.forward(reference, inputs, response_length=response_length)
 
     def hidden_size(self, policy) -> int:
         return int(policy.config.hidden_size)

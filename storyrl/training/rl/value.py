@@ -118,9 +118,12 @@ class PolicyAndValue(nn.Module):
         return False
 
     def forward(self, inputs: dict[str, Any], context_length: int, response_length: int):
-        out = self.adapter.forward(self.policy, inputs, output_hidden_states=self.value_head is not None)
+        from storyrl.training.rl.rollout import response_logits
+
+        out = self.adapter.forward(self.policy, inputs, output_hidden_states=self.value_head is not None,
+                                   response_length=response_length)
         window = slice(context_length - 1, context_length - 1 + response_length)
-        logits = out.logits[:, window]
+        logits = response_logits(out.logits, context_length, response_length)
         if self.value_head is not None:
             values = self.value_head(out.hidden_states[-1][:, window])
         else:
