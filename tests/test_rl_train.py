@@ -215,27 +215,29 @@ def test_lora_runs_keep_the_vlm_vision_tower_without_adapters(assets):
 
 
 def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
-    """Stopped after the checkpoint at step 3 of 4 (inside the second pass
-    over the 4 prompts, 2 per step), then resumed: the same weights and
-    losses as 4 steps in one go (prompt order, sampling and LoRA dropout
-    included)."""
+    """A run that crashes at step 4 of 4, after logging it, resumes from its
+    checkpoint at step 3 (inside the second pass over the 4 prompts, 2 per
+    step): the same weights, losses and samples as 4 steps in one go (prompt
+    order, sampling and LoRA dropout included), and its history.jsonl and
+    samples.jsonl hold each step once."""
     from safetensors.numpy import load_file
     from transformers import TrainerCallback
 
     from storyrl.training.rl.train import train
 
-    class StopAt3(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 3:
-                control.should_training_stop = True
+    class CrashAfterLogging4(TrainerCallback):
+        def on_log(self, args, state, control, **kwargs):
+            if state.global_step == 4:
+                raise KeyboardInterrupt
 
     def config(out):  # the flaky reward would raise again after the restart: left out
         return rl_config(assets, out, lora=True, max_steps=4, rewards=REWARDS[:1], reward_weights=[1.0],
                          grpo={"save_strategy": "steps", "save_steps": 3})
 
     whole = train(config(tmp_path / "whole"), progress=False)
-    train(config(tmp_path / "cut"), progress=False, callbacks=[StopAt3()])
-    assert sorted(p.name for p in (tmp_path / "cut").glob("checkpoint-*")) == ["checkpoint-3"]
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "cut"), progress=False, callbacks=[CrashAfterLogging4()])
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir() if p.is_dir()) == ["checkpoint-3"]
     resumed = train(config(tmp_path / "cut"), resume=True, progress=False)
 
     assert resumed.steps == whole.steps == 4
