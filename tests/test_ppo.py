@@ -280,7 +280,7 @@ def test_vlm_policy_two_steps(tmp_path, vlm, lora):
         assert changed(initial, snapshot(trainer.ref_model)) == set()
 
 
-def sampling_logprobs_agree(trainer, rows):
+def sampling_logprobs_agree(trainer, rows, padded=True):
     """The log-probabilities PPO computes in its forward (left padding,
     positions, the response window, kept logits) equal those generate()
     sampled from (its processed scores: tempered, suppressed tokens
@@ -308,7 +308,8 @@ def sampling_logprobs_agree(trainer, rows):
         del policy.generate
     theirs = torch.log_softmax(captured["scores"].float(), dim=-1).gather(-1, rollout.response.unsqueeze(-1))[..., 0]
     mask = rollout.response_mask()
-    assert len(set(rollout.query_mask.sum(dim=1).tolist())) > 1  # prompts of different lengths: left padding
+    if padded:  # prompts of different lengths: left padding
+        assert len(set(rollout.query_mask.sum(dim=1).tolist())) > 1
     assert mask.sum() > len(rows)
     torch.testing.assert_close(ours[mask], theirs[mask], atol=1e-4, rtol=1e-4)
 
@@ -606,6 +607,16 @@ def test_tapm_policy_two_steps_credits_every_sentence_with_the_story_score(tmp_p
     else:
         assert any(k.startswith("decoder.") for k in moved)
         assert changed(initial, snapshot(trainer.ref_model)) == set()
+
+
+def test_forward_logprobs_equal_the_sampling_distribution_tapm(tmp_path, tapm):
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    model, tokenizer = tapm_model(tapm)
+    rows = [{"prompt": "", "image_ids": ["img0", "img1", "img2"]}, {"prompt": "", "image_ids": ["img3", "img4"]}]
+    args = ppo_args(tmp_path, tapm_features=tapm["features"], temperature=0.7, response_length=6)
+    trainer = PPOTrainer(model, WordCount(), args, rows * 2, processing_class=tokenizer)
+    sampling_logprobs_agree(trainer, rows, padded=False)  # the visual prefix recomputed with grad = generate()'s
 
 
 def test_config_problems():

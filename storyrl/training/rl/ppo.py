@@ -26,8 +26,9 @@ One step of :class:`PPOTrainer`:
    policy loss + ``vf_coef`` × clipped value loss, gradient clipping, AdamW,
    linear or constant learning rate; with ``early_stopping`` a minibatch whose
    approximate KL to the rollout policy exceeds 1.5 × ``target_kl`` is not
-   applied and ends the step's PPO epochs (TRL v0.11's rule, checked per
-   minibatch and agreed across processes);
+   applied and ends the step's PPO epochs (TRL v0.11's threshold; v0.11
+   checked after each epoch, on its last minibatch's mean log-ratio, and
+   kept that update); the decision is agreed across processes;
 7. the adaptive KL controller (``adaptive_kl``) updates ``kl_coef`` from the
    step's mean sequence KL.
 
@@ -69,6 +70,12 @@ Differences from TRL's removed PPO trainers (v0.11 ``PPOTrainer`` and
 Output directory: ``checkpoint-<step>/`` (accelerate's state +
 ``trainer_state.json``), ``history.jsonl`` (one record per logged step, with
 sample stories) and the trackers' files.
+
+Modules: options :mod:`~storyrl.training.rl.ppo_config`, arithmetic
+:mod:`~storyrl.training.rl.ppo_math`, sampling and forwards per policy kind
+:mod:`~storyrl.training.rl.rollout`, critic :mod:`~storyrl.training.rl.value`,
+reward calls :mod:`~storyrl.training.rl.ppo_rewards`, checkpoints
+:mod:`~storyrl.training.rl.ppo_checkpoints`; this one holds the loop.
 """
 
 from __future__ import annotations
@@ -166,7 +173,12 @@ class PPOTrainer:
     adapters; ``value_model``: a sequence-classification model (or give
     ``args.value_model``; default a value head); ``reward_weights``: one
     weight per function (default 1); ``trackers``: accelerate trackers
-    (names or ``GeneralTracker`` objects) instead of ``args.report_to``."""
+    (names or ``GeneralTracker`` objects) instead of ``args.report_to``.
+
+    After construction: ``policy`` (the unwrapped policy), ``ref_model`` (the
+    frozen reference; None when it is the policy with its adapters
+    disabled), ``adapter``, ``kl_ctl`` (``.value`` is the KL coefficient),
+    ``moments`` (running score statistics), ``num_steps``."""
 
     def __init__(self, model, reward_funcs, args: PPOConfig, train_dataset, processing_class=None,
                  peft_config=None, value_model=None, reward_weights: Sequence[float] | None = None,
