@@ -206,7 +206,7 @@ def test_trackers_and_save_model(tmp_path):
     tracker = recording_tracker()
     trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), WordCount(), ppo_args(tmp_path, max_steps=1),
                          text_dataset(), processing_class=tokenizer, trackers=[tracker])
-    result = trainer.train()
+    result = trainer.train(progress=False)
     # accelerate's trackers get the config once and every finite scalar of each step (samples stay in history)
     assert tracker.config["kl_coef"] == 0.05 and tracker.config["output_dir"] == str(tmp_path / "out")
     [(step, logged)] = tracker.logged

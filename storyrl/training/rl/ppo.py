@@ -534,10 +534,11 @@ class PPOTrainer:
         return metrics, samples
 
     # -- training loop -----------------------------------------------------------------------------
-    def train(self, resume: bool = False) -> PPOResult:
+    def train(self, resume: bool = False, progress: bool = True) -> PPOResult:
         """Run PPO up to ``num_steps`` (``max_steps``, ``total_episodes`` or
         passes over the data); ``resume=True`` continues from the newest
-        ``checkpoint-<step>`` in ``output_dir``."""
+        ``checkpoint-<step>`` in ``output_dir``; ``progress=False`` hides the
+        progress bar (the log lines stay)."""
         from tqdm.auto import tqdm
 
         args, acc = self.args, self.accelerator
@@ -562,7 +563,8 @@ class PPOTrainer:
             history_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
         acc.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
                                                   if isinstance(v, (int, float, str, bool))})
-        bar = tqdm(total=self.num_steps, initial=self.step, desc="PPO", disable=not acc.is_local_main_process)
+        bar = tqdm(total=self.num_steps, initial=self.step, desc="PPO",
+                   disable=not (progress and acc.is_local_main_process))
         try:
             while self.step < self.num_steps:
                 metrics, samples = self._step(self.step)
