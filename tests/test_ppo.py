@@ -118,8 +118,9 @@ def check_history(result, reward_names, extra_metrics=()):
                     "time/generation", "time/reward", "time/optimization", *extra_metrics):
             assert key in record, key
         assert record["samples"] and "story" in record["samples"][0]
-    history = [json.loads(line) for line in (result.output_dir and open(f"{result.output_dir}/history.jsonl"))]
-    assert [r["step"] for r in history] == [1, 2]
+    with open(f"{result.output_dir}/history.jsonl", encoding="utf-8") as f:
+        history = [json.loads(line) for line in f]
+    assert [r["step"] for r in history] == [1, 2] and history[1]["samples"] == result.history[1]["samples"]
 
 
 # -- text policy --------------------------------------------------------------------------------
