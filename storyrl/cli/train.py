@@ -30,7 +30,20 @@ class _TrainerGroup(click.Group):
 @click.group(cls=_TrainerGroup)
 def train() -> None:
     """Train the learned metrics (RoViST-C coherence, RoViST-VG) and TAPM-style
-    storytellers. Multi-GPU: run under `accelerate launch -m storyrl.cli train ...`."""
+    storytellers, and fine-tune storytellers with RL (rl: PPO, GRPO, RLOO).
+    Multi-GPU: run under `accelerate launch -m storyrl.cli train ...`
+    (configs/accelerate/README.md)."""
+
+
+# What a trainer leaves in OUTPUT_DIR, where its configs live, what --resume does:
+# storyrl.training.loop.fit's layout, or the RL runs' (checkpoint-<step>/ as TRL's).
+_FIT_LAYOUT = ("Best model in OUTPUT_DIR/best, resumable state in OUTPUT_DIR/last, one JSON line per epoch in "
+               "OUTPUT_DIR/history.jsonl.", "configs/training/{name}.yaml", "Continue from OUTPUT_DIR/last.")
+_LAYOUTS = {
+    "rl": ("Checkpoints OUTPUT_DIR/checkpoint-<step>, the resolved config OUTPUT_DIR/rl_config.yaml, one JSON line "
+           "per logged step in OUTPUT_DIR/history.jsonl and the trained policy in OUTPUT_DIR/final.",
+           "configs/rl/<name>.yaml", "Continue from the latest OUTPUT_DIR/checkpoint-<step>."),
+}
 
 
 def _train_command(name: str, description: str) -> click.Command:
@@ -57,13 +70,13 @@ def _train_command(name: str, description: str) -> click.Command:
             "stopped_early": result.stopped_early,
         }))
 
+    outputs, config_file, resume_help = _LAYOUTS.get(name, _FIT_LAYOUT)
     help_text = (f"{description} Trains from a config YAML; every config key can also be given as an option, "
-                 "which wins over the file. Best model in OUTPUT_DIR/best, resumable state in OUTPUT_DIR/last, "
-                 "one JSON line per epoch in OUTPUT_DIR/history.jsonl.")
+                 f"which wins over the file. {outputs}")
     params = [
         click.Option(["--config", "config_path"], required=True, type=_FILE,
-                     help=f"Training config YAML (configs/training/{name}.yaml)."),
-        click.Option(["--resume"], is_flag=True, help="Continue from OUTPUT_DIR/last."),
+                     help=f"Training config YAML ({config_file.format(name=name)})."),
+        click.Option(["--resume"], is_flag=True, help=resume_help),
         click.Option(["--quiet", "-q"], is_flag=True, help="No progress bars."),
     ]
     return GeneratedOptionsCommand(name, params=params, callback=command, help=help_text,
