@@ -18,7 +18,7 @@ from pathlib import Path
 
 from storyrl.data import StoryDataError, StoryRecord
 
-__all__ = ["DATA_FORMATS", "is_vist_sis", "load_records", "load_vist_sis", "load_vwp", "read_vist_sis",
+__all__ = ["DATA_FORMATS", "is_vist_sis", "load_records", "load_some_records", "load_vist_sis", "load_vwp", "read_vist_sis",
            "vist_sis_records"]
 
 #: What :func:`load_records` reads; ``auto`` tells them apart by content.
@@ -42,6 +42,18 @@ def load_records(path: str | os.PathLike, data_format: str = "auto") -> list[Sto
     if data_format == "vist-sis":
         return load_vist_sis(path)
     return load_stories(path)
+
+
+def load_some_records(path: str | os.PathLike, data_format: str = "auto", limit: int | None = None
+                      ) -> list[StoryRecord]:
+    """The first ``limit`` records (all with None) of :func:`load_records`;
+    a ValueError naming the file when there is none (for jobs that need
+    input: sweeps, RL runs, ablations)."""
+    records = load_records(path, data_format)
+    records = records[:limit] if limit else records
+    if not records:
+        raise ValueError(f"{path}: no stories")
+    return records
 
 
 def is_vist_sis(path: str | os.PathLike) -> bool:

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 
 from storyrl.config import option
 from storyrl.data import ScoreTable, StoryRecord
+from storyrl.datasets import load_some_records
 from storyrl.eval.ablation_config import HUMAN, AblationConfig, AblationEval, _base_train, _metric, _rl_config
 from storyrl.eval.ablation_report import AblationResult, VariantResult, write_ablation_report
 from storyrl.generators.base import Generations, Generator, GeneratorConfig
@@ -283,16 +284,6 @@ def _release() -> None:
 # -- scoring and the table ----------------------------------------------------------
 
 
-def _load_records(config: AblationEval) -> list[StoryRecord]:
-    from storyrl.datasets import load_records
-
-    records = load_records(config.data, config.data_format)
-    records = records[: config.max_stories] if config.max_stories else records
-    if not records:
-        raise ValueError(f"{config.data}: no stories")
-    return records
-
-
 def _human(record: StoryRecord) -> StoryRecord:
     """The record's human story as the story to score: its reference, else its story."""
     if record.reference and record.reference.strip():
@@ -363,7 +354,7 @@ def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[s
         raise ValueError(f"{source}: no variant {unknown[0]!r}; the variants are {', '.join(names)}")
     chosen = set(only or names)
     ev = config.eval
-    records = _load_records(ev)
+    records = load_some_records(ev.data, ev.data_format, ev.max_stories)
     ids = [r.story_id for r in records]
     try:
         metrics = [_metric(spec, ev.image_root) for spec in ev.metrics]

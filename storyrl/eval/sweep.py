@@ -44,6 +44,7 @@ from typing import Any
 
 from storyrl.config import Config, option
 from storyrl.data import ScoreTable, StoryRecord
+from storyrl.datasets import load_some_records
 from storyrl.eval.sweep_shards import Processes, merge_shards, processes, shard_path
 
 __all__ = ["Cell", "CellResult", "SweepConfig", "SweepModel", "SweepResult", "merge_shards", "plan_cells",
@@ -406,16 +407,6 @@ def _mean_rows(cells: list[CellResult], dimensions: list[str]) -> list[CellResul
     return means
 
 
-def _load_records(config: SweepConfig) -> list[StoryRecord]:
-    from storyrl.datasets import load_records
-
-    records = load_records(config.data, config.data_format)
-    records = records[: config.limit] if config.limit else records
-    if not records:
-        raise ValueError(f"{config.data}: no stories")
-    return records
-
-
 def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
     """Run the sweep (module docs). Returns the d_HM rows and output paths;
     ``None`` in the non-main processes of a multi-process run."""
@@ -425,7 +416,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
     from storyrl.eval.sweep_report import write_report
 
     source = getattr(config, "source", None) or "sweep config"
-    records = _load_records(config)
+    records = load_some_records(config.data, config.data_format, config.limit)
     ids = [r.story_id for r in records]
     id_set = set(ids)
     cells = plan_cells(config)

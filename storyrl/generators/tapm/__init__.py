@@ -121,9 +121,7 @@ class TapmGenerator(Generator):
         self._model = model
 
     def _features(self, records) -> tuple[dict, Any]:
-        import torch
-
-        from storyrl.generators.tapm.features import image_keys
+        from storyrl.generators.tapm.features import image_keys, pad_story_features
 
         per_story = []
         for record in records:
@@ -135,16 +133,7 @@ class TapmGenerator(Generator):
 
                 sources = resolve_images(record.images, record.image_ids, self.args.image_root)
                 per_story.append(self._extractor(sources, keys))
-        B, G = len(records), max(next(iter(f.values())).shape[0] for f in per_story)
-        mask = torch.zeros(B, G, dtype=torch.bool)
-        features = {}
-        for t in per_story[0]:
-            _, L, D = per_story[0][t].shape
-            features[t] = torch.zeros(B, G, L, D)
-            for b, f in enumerate(per_story):
-                features[t][b, : f[t].shape[0]] = f[t]
-                mask[b, : f[t].shape[0]] = True
-        return features, mask
+        return pad_story_features(per_story)
 
     def _generate_batch(self, records) -> list[str]:
         self._setup()

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FeatureExtractor", "FeatureStore", "image_keys", "write_features"]
+__all__ = ["FeatureExtractor", "FeatureStore", "image_keys", "pad_story_features", "write_features"]
 
 INDEX = "index.json"
 
@@ -35,6 +35,24 @@ def image_keys(record) -> list[str]:
     if record.images:
         return [Path(str(p)).stem for p in record.images]
     raise ValueError(f"record {record.story_id!r}: no images or image_ids")
+
+
+def pad_story_features(per_story: Sequence[dict[str, Any]]):
+    """Batch the features of several stories: ``{type: (B, G, L, D)}`` zero
+    tensors filled per story (G = the longest story's image count) and the
+    (B, G) mask of real images. Each story's ``{type: (images, L, D)}``."""
+    import torch
+
+    B, G = len(per_story), max(next(iter(f.values())).shape[0] for f in per_story)
+    mask = torch.zeros(B, G, dtype=torch.bool)
+    features = {}
+    for t in per_story[0]:
+        _, L, D = per_story[0][t].shape
+        features[t] = torch.zeros(B, G, L, D)
+        for b, f in enumerate(per_story):
+            features[t][b, : f[t].shape[0]] = f[t]
+            mask[b, : f[t].shape[0]] = True
+    return features, mask
 
 
 class FeatureExtractor:

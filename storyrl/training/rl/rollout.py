@@ -447,17 +447,10 @@ class TapmAdapter(PolicyAdapter):
         raise ValueError(f"PPO: story {row.get('story_id')!r} has no image_ids for the TAPM features")
 
     def _features(self, rows: list[dict], device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        from storyrl.generators.tapm.features import pad_story_features
+
         per_story = [self.store.get(self._keys(r), where=f" (story {r.get('story_id')!r})") for r in rows]
-        B = len(rows)
-        G = max(next(iter(f.values())).shape[0] for f in per_story)
-        mask = torch.zeros(B, G, dtype=torch.bool)
-        features = {}
-        for t in per_story[0]:
-            _, L, D = per_story[0][t].shape
-            features[t] = torch.zeros(B, G, L, D)
-            for b, f in enumerate(per_story):
-                features[t][b, : f[t].shape[0]] = f[t]
-                mask[b, : f[t].shape[0]] = True
+        features, mask = pad_story_features(per_story)
         return {k: v.to(device) for k, v in features.items()}, mask.to(device)
 
     def rollout(self, policy, rows: list[dict]) -> Rollout:
