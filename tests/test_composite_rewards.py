@@ -581,3 +581,29 @@ def test_grpo_logs_every_component(tmp_path, monkeypatch):
         z[index] = np_z(rep[index])
     np.testing.assert_allclose(list(trainer._logs["rewards"]["weighted"]), z + 0.5 * dhm, rtol=1e-6, equal_nan=True)
     assert reward.component_rewards["dhm"].stats["human_scored"] == 2  # two stories, scored once each
+
+
+def test_storyrl_score_finds_human_score_rows_by_story_id(tmp_path):
+    """`storyrl score` hands each record's story_id to the reward, so dhm reads
+    the human table row of that story (no reference in the records)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.rewards.repetition import repetition_score
+
+    stories = {"a": "The dog ran. The dog ran. It slept.", "b": "We swam. The sea was cold. We ate."}
+    records = tmp_path / "stories.jsonl"
+    records.write_text("".join(json.dumps({"story_id": k, "story": v}) + "\n" for k, v in stories.items()))
+    human = {"a": 0.9, "b": 0.25}
+    table = tmp_path / "human.csv"
+    table.write_text("story_id,repetition\n" + "".join(f"{k},{v}\n" for k, v in human.items()))
+    config = tmp_path / "dhm.yaml"
+    config.write_text(f"reward: dhm\ndimensions: [repetition]\nhuman_scores: {table}\n")
+    out = tmp_path / "scores.csv"
+    result = CliRunner().invoke(main, ["score", str(records), "--config", str(config), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    rows = dict(line.split(",") for line in out.read_text().splitlines()[1:])
+    for sid, story in stories.items():
+        assert float(rows[sid]) == pytest.approx(-abs(human[sid] - repetition_score(story)))

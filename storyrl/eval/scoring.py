@@ -20,8 +20,9 @@ from storyrl.data import ScoreWriter, StoryRecord
 __all__ = ["CONTEXT_FIELDS", "make_metric", "score_batches", "score_context", "score_to_file"]
 
 #: Record fields a reward may take as per-story context (images for the
-#: grounding rewards, the human story as reference, precomputed noun phrases).
-CONTEXT_FIELDS = ("images", "image_ids", "reference", "noun_phrases")
+#: grounding rewards, the human story as reference, precomputed noun phrases,
+#: the story id that keys ``dhm``'s human score table).
+CONTEXT_FIELDS = ("story_id", "images", "image_ids", "reference", "noun_phrases")
 
 
 def score_context(batch: Sequence[StoryRecord]) -> dict[str, list]:
