@@ -17,12 +17,13 @@ import json
 from pathlib import Path
 
 import storyrl  # noqa: F401  (torchvision fallback before transformers)
-from storyrl.generators.prompts import count_word
+from storyrl.generators.prompts import load_prompts
 from storyrl.text import split_sentences
 
 HERE = Path(__file__).resolve().parent
 STORIES = HERE.parent / "human.jsonl"
-PROMPT = "Write a story of {n} sentences."
+# The prompt `storyrl train rl` sends by default: the d_HM paper's P3.
+PROMPT = load_prompts(HERE.parents[1] / "configs" / "prompts" / "dhm.yaml")[("visual", "P3")]
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant :{% endif %}"
@@ -40,7 +41,7 @@ def training_texts(stories: list[str]) -> list[str]:
     texts = []
     for story in stories:
         sentences = split_sentences(story)
-        prompt = PROMPT.format(n=count_word(len(sentences)))
+        prompt = PROMPT.render(len(sentences))
         for reply in (story, " ".join([sentences[0]] * len(sentences))):
             texts.append(f"user : {prompt}\nassistant : {reply}")
     return texts

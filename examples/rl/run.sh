@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# RL example on CPU (a few minutes): build a tiny story policy, fine-tune it
+# with GRPO against the repetition reward, print the reward curve.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python examples/rl/make_policy.py out/rl_example/policy
+rm -rf out/rl_example/run
+storyrl train rl --config examples/rl/grpo_repetition.yaml --quiet
+python examples/rl/show_rewards.py out/rl_example/run
