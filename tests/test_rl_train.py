@@ -503,3 +503,27 @@ def test_cli_dispatches_ppo(assets, tmp_path):
     assert all("story/sentences_mean" in h and "weighted/test_rl_words/mean" in h for h in history)
     assert (tmp_path / "out" / "final" / "adapter_config.json").is_file()
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
+
+
+def test_two_processes_under_torch_launcher(assets, tmp_path):
+    """`python -m torch.distributed.run --nproc_per_node 2 -m storyrl train rl`
+    (what accelerate launch starts): both processes train, the main one alone
+    writes the samples, history and final policy."""
+    import os
+    import subprocess
+    import sys
+
+    config = {**options(assets, tmp_path / "out", lora=True), "rewards": ["repetition"], "reward_weights": None}
+    config["grpo"]["per_device_train_batch_size"] = 2  # 2 processes x 2 completions = one group per process
+    path = write_yaml(tmp_path / "rl.yaml", config)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--standalone", "-m", "storyrl", "train", "rl", "--config", str(path), "-q"],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(summaries) == 2 and all(s["steps"] == STEPS for s in summaries)
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    assert [s["step"] for s in samples] == [1, 2] and all(len(s["samples"]) == 2 for s in samples)
+    assert [e["step"] for e in read_jsonl(tmp_path / "out" / "history.jsonl") if "loss" in e] == [1, 2]
+    assert (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
