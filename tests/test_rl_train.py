@@ -510,6 +510,7 @@ def test_two_processes_under_torch_launcher(assets, tmp_path):
     (what accelerate launch starts): both processes train, the main one alone
     writes the samples, history and final policy."""
     import os
+    import signal
     import subprocess
     import sys
 
@@ -517,11 +518,18 @@ def test_two_processes_under_torch_launcher(assets, tmp_path):
     config["grpo"]["per_device_train_batch_size"] = 2  # 2 processes x 2 completions = one group per process
     path = write_yaml(tmp_path / "rl.yaml", config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--standalone", "-m", "storyrl", "train", "rl", "--config", str(path), "-q"],
-                            capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    summaries = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "-m", "storyrl", "train", "rl", "--config", str(path), "-q"]
+    # Its own process group: a hung run is killed with both of its workers.
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
+    summaries = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 2 and all(s["steps"] == STEPS for s in summaries)
     samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
     assert [s["step"] for s in samples] == [1, 2] and all(len(s["samples"]) == 2 for s in samples)
