@@ -535,3 +535,51 @@ def test_two_processes_under_torch_launcher(assets, tmp_path):
     assert [s["step"] for s in samples] == [1, 2] and all(len(s["samples"]) == 2 for s in samples)
     assert [e["step"] for e in read_jsonl(tmp_path / "out" / "history.jsonl") if "loss" in e] == [1, 2]
     assert (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_tapm_policy_trains_with_ppo_and_generates(tmp_path):
+    """A TAPM directory as the policy: detected, its records' image ids and
+    the feature directory reach storyrl's PPO, final/ is a TAPM directory
+    that the tapm generator runs."""
+    import tiny_models
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from storyrl.datasets import load_records
+    from storyrl.generators.tapm import TapmGenerator
+    from storyrl.generators.tapm.features import FeatureExtractor, FeatureStore, write_features
+    from storyrl.generators.tapm.model import TapmModel
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.policy import generate_stories
+    from storyrl.training.rl.train import train
+
+    images = tiny_models.write_images(tmp_path / "img", n=5)
+    write_features(tmp_path / "features", [(p.stem, str(p)) for p in images],
+                   FeatureExtractor("test_resnet", pretrained=False, device="cpu"), batch_size=5)
+    decoder = tiny_models.save_tiny_decoder(tmp_path / "gpt2")
+    tokenizer, store = AutoTokenizer.from_pretrained(decoder), FeatureStore(tmp_path / "features")
+    model = TapmModel.from_decoder(AutoModelForCausalLM.from_pretrained(decoder), tokenizer,
+                                   {t: s["dim"] for t, s in store.types.items()},
+                                   {t: s["tokens"] for t, s in store.types.items()}, seed=0)
+    model.save_pretrained(tmp_path / "tapm")
+    tokenizer.save_pretrained(tmp_path / "tapm")
+    data = tmp_path / "data.jsonl"
+    ids = [["img0", "img1", "img2"], ["img1", "img2", "img3", "img4"], ["img4", "img0", "img1"], ["img2", "img3"]]
+    data.write_text("".join(json.dumps({"story_id": f"t{k}", "story": "a dog ran . the cat sat .", "image_ids": i})
+                            + "\n" for k, i in enumerate(ids)))
+    config = RLConfig.from_mapping({
+        "algorithm": "ppo", "model": str(tmp_path / "tapm"), "data": str(data), "image_root": str(tmp_path / "img"),
+        "output_dir": str(tmp_path / "out"), "rewards": ["repetition"], "max_steps": STEPS,
+        "ppo": {"per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 6, "num_ppo_epochs": 1,
+                "learning_rate": 1e-3, "tapm_features": str(tmp_path / "features")}})
+    assert config.policy_kind() == "tapm"
+    result = train(config, progress=False)
+    assert result.steps == STEPS and all("story/sentences_mean" in h for h in result.history)
+    final = Path(result.final_dir)
+    before, after = load_file(tmp_path / "tapm" / "model.safetensors"), load_file(final / "model.safetensors")
+    assert any(not np.array_equal(before[k], after[k]) for k in before)
+    TapmModel.from_pretrained(final)
+    records = load_records(data)
+    stories = generate_stories(config, str(final), records, batch_size=3)
+    direct = TapmGenerator(model=str(final), features=str(tmp_path / "features"), max_new_tokens=6).generate(records)
+    assert stories == direct.stories and set(stories) == {r.story_id for r in records}
