@@ -191,6 +191,29 @@ def test_two_steps_train_log_and_save(assets, tmp_path, algorithm, policy, lora)
     assert (final / ("processor_config.json" if policy == "vlm" else "tokenizer.json")).is_file()
     for path in (Path(config.output_dir) / "rl_config.yaml", final / "rl_config.yaml"):
         assert RLConfig.from_yaml(path).to_dict() == config.to_dict()
+    if policy == "vlm":  # the saved VLM (adapters on the base, or full weights) generates
+        from storyrl.datasets import load_records
+        from storyrl.training.rl.policy import generate_stories
+
+        stories = generate_stories(config, str(final), load_records(assets["data"])[:2], batch_size=2)
+        assert list(stories) == ["s0", "s1"] and all(isinstance(v, str) for v in stories.values())
+
+
+def test_lora_merge_saves_full_weights_changed_only_where_adapters_were(assets, tmp_path):
+    from safetensors.numpy import load_file
+
+    from storyrl.training.rl.train import train
+
+    config = rl_config(assets, tmp_path / "out", lora=True, max_steps=1)
+    config.lora.merge = True
+    final = Path(train(config, progress=False).final_dir)
+    assert not (final / "adapter_config.json").exists() and (final / "tokenizer.json").is_file()
+    base, merged = load_file(Path(assets["text"]) / "model.safetensors"), load_file(final / "model.safetensors")
+    assert base.keys() == merged.keys()
+    changed = {k for k in base if not np.array_equal(base[k], merged[k])}
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert changed and all(k.split(".")[-2] in targets for k in changed)
+    assert {k.split(".")[-2] for k in changed} == set(targets)
 
 
 def _model_of(config):
