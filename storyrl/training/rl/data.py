@@ -24,6 +24,7 @@ Columns (``datasets.Dataset``):
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -139,15 +140,27 @@ def prompt_rows(config, records: Sequence[StoryRecord], kind: str, processing_cl
 
 class _AddImages:
     """Dataset transform: a VLM row's images, made when the row is read (a
-    VIST training set's sequence images would not fit in memory)."""
+    VIST training set's sequence images would not fit in memory). The last
+    ``cache_size`` sequences are kept: GRPO/RLOO read each prompt once per
+    generation of its group."""
 
-    def __init__(self, prompter: _Prompter) -> None:
-        self.prompter = prompter
+    def __init__(self, prompter: _Prompter, cache_size: int = 64) -> None:
+        self.prompter, self.cache_size = prompter, cache_size
+        self.cache: OrderedDict[tuple, list] = OrderedDict()
+
+    def images(self, story_id: str, paths: Sequence[str]) -> list:
+        key = (story_id, tuple(paths))
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        images = self.cache[key] = self.prompter.images(story_id, paths)
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return images
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         batch = dict(batch)
-        batch["images"] = [self.prompter.images(sid, paths)
-                           for sid, paths in zip(batch["story_id"], batch["story_images"])]
+        batch["images"] = [self.images(sid, paths) for sid, paths in zip(batch["story_id"], batch["story_images"])]
         return batch
 
 
