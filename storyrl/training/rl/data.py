@@ -37,14 +37,9 @@ logger = logging.getLogger(__name__)
 
 def load_data(config) -> list[StoryRecord]:
     """The records of ``config.data`` (first ``limit``)."""
-    from storyrl.datasets import load_records
+    from storyrl.datasets import load_some_records
 
-    records = load_records(config.data, config.data_format)
-    if config.limit is not None:
-        records = records[: config.limit]
-    if not records:
-        raise ValueError(f"{config.data}: no records")
-    return records
+    return load_some_records(config.data, config.data_format, config.limit)
 
 
 class _Prompter:

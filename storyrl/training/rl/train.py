@@ -132,7 +132,7 @@ def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progres
         peft_config=lora_config(config, policy.kind),
         reward_weights=config.reward_weights,
     )
-    result = trainer.train(resume=resume)
+    result = trainer.train(resume=resume, progress=progress)
     final = Path(config.output_dir) / "final"
     trainer.save_model(final)
     if trainer.accelerator.is_main_process:
