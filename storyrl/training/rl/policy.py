@@ -263,7 +263,9 @@ def generate_stories(config, policy_dir: str, records: Sequence[StoryRecord], ba
     limit is the algorithm's completion length unless given. ``{story_id:
     story}``, None for a record whose generation failed (logged)."""
     records = list(records)
-    kind = config.policy_kind()
+    # The saved policy's own config tells its kind without asking the hub.
+    kind = (config.policy if config.policy != "auto" else None) or detect_policy(policy_dir, read_hub=False) \
+        or config.policy_kind()
     max_new_tokens = max_new_tokens or _max_new_tokens(config)
     if kind == "tapm":
         from storyrl.generators.tapm import TapmGenerator
