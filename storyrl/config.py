@@ -266,11 +266,12 @@ class Config:
         return cls.__name__
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: str | None = None, **overrides: Any):
+    def from_mapping(cls, data: Mapping[str, Any], /, source: str | None = None, **overrides: Any):
         """Build from a mapping (e.g. parsed YAML) plus keyword ``overrides``
         (``None`` = not given, e.g. an unset command-line option). Unknown,
         missing or ill-typed options raise TypeError, bad values ValueError;
-        with ``source`` (a file name) every error is a ValueError naming it."""
+        with ``source`` (a file name) every error is a ValueError naming it.
+        ``data`` is positional-only, so a config may have a ``data`` option."""
         try:
             return cls(**_known_options(cls, data, overrides))
         except (TypeError, ValueError) as exc:

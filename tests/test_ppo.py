@@ -120,7 +120,12 @@ def check_history(result, reward_names, extra_metrics=()):
         assert record["samples"] and "story" in record["samples"][0]
     with open(f"{result.output_dir}/history.jsonl", encoding="utf-8") as f:
         history = [json.loads(line) for line in f]
-    assert [r["step"] for r in history] == [1, 2] and history[1]["samples"] == result.history[1]["samples"]
+    with open(f"{result.output_dir}/samples.jsonl", encoding="utf-8") as f:
+        samples = [json.loads(line) for line in f]
+    # scalars in history.jsonl, sample stories in samples.jsonl (as GRPO/RLOO write them)
+    assert [r["step"] for r in history] == [1, 2] and "samples" not in history[1]
+    assert history[1]["loss/policy"] == result.history[1]["loss/policy"]
+    assert [s["step"] for s in samples] == [1, 2] and samples[1]["samples"] == result.history[1]["samples"]
 
 
 # -- text policy --------------------------------------------------------------------------------

@@ -141,19 +141,6 @@ class RLConfig(Config):
             setattr(self, name, self._nested(name, cls, value))
         super().__post_init__()
 
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any], /, source: str | None = None, **overrides: Any) -> RLConfig:
-        # The mapping is positional-only here: Config.from_mapping names it
-        # `data`, which an override of this config's `data` key would clash with.
-        from storyrl.config import _known_options
-
-        try:
-            return cls(**_known_options(cls, mapping, overrides))
-        except (TypeError, ValueError) as exc:
-            if source is None:
-                raise
-            raise ValueError(f"{source}: {exc}") from None
-
     def _nested(self, name: str, cls: type, value: Any) -> Any:
         label = self._label()
         if value is None:

@@ -68,8 +68,9 @@ Differences from TRL's removed PPO trainers (v0.11 ``PPOTrainer`` and
   so a resumed run equals an uninterrupted one.
 
 Output directory: ``checkpoint-<step>/`` (accelerate's state +
-``trainer_state.json``), ``history.jsonl`` (one record per logged step, with
-sample stories) and the trackers' files.
+``trainer_state.json``), ``history.jsonl`` (the scalars of each logged
+step), ``samples.jsonl`` (its sample stories with their rewards; both files as
+GRPO/RLOO write them) and the trackers' files.
 
 Modules: options :mod:`~storyrl.training.rl.ppo_config`, arithmetic
 :mod:`~storyrl.training.rl.ppo_math`, sampling and forwards per policy kind
@@ -556,11 +557,11 @@ class PPOTrainer:
         elif main and find_latest_checkpoint(self.output_dir) is not None:
             logger.warning("%s already holds checkpoints; starting afresh (resume=True continues them)",
                            self.output_dir)
-        history_path = self.output_dir / "history.jsonl"
         if main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             # Rewritten from the checkpoint: drops records of steps after it.
-            history_path.write_text("".join(json.dumps(r) + "\n" for r in self.history), encoding="utf-8")
+            for name, lines in _log_lines(self.history).items():
+                (self.output_dir / name).write_text("".join(lines), encoding="utf-8")
         acc.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
                                                   if isinstance(v, (int, float, str, bool))})
         bar = tqdm(total=self.num_steps, initial=self.step, desc="PPO",
@@ -573,7 +574,7 @@ class PPOTrainer:
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 masked=f"{metrics['ppo/masked_frac']:.2f}")
                 if self.step % args.logging_steps == 0 or self.step == self.num_steps:
-                    self._log(metrics, samples, history_path)
+                    self._log(metrics, samples)
                 if args.save_steps is not None and (self.step % args.save_steps == 0 or self.step == self.num_steps):
                     state = {"step": self.step, "kl_coef": self.kl_ctl.value, "moments": self.moments.state_dict(),
                              "history": self.history, "config": args.to_dict()}
@@ -583,15 +584,17 @@ class PPOTrainer:
             acc.end_training()
         return PPOResult(steps=self.step, history=list(self.history), output_dir=str(self.output_dir))
 
-    def _log(self, metrics: dict[str, float], samples: list[dict], history_path: Path) -> None:
-        """history.jsonl (with the samples), the trackers (scalars) and the console."""
+    def _log(self, metrics: dict[str, float], samples: list[dict]) -> None:
+        """history.jsonl (scalars), samples.jsonl (sample stories), as GRPO and
+        RLOO write them; the trackers (scalars) and the console."""
         record = {"step": self.step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "samples": samples}
         self.history.append(record)
         self.accelerator.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.step)
         if not self.accelerator.is_main_process:
             return
-        with open(history_path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        for name, lines in _log_lines([record]).items():
+            with open(self.output_dir / name, "a", encoding="utf-8") as f:
+                f.writelines(lines)
         logger.info("step %d: reward %.4f, kl %.4f, masked %.2f, policy loss %.4f, value loss %.4f", self.step,
                     metrics["reward"], metrics["objective/kl"], metrics["ppo/masked_frac"], metrics["loss/policy"],
                     metrics["loss/value"])
@@ -611,3 +614,12 @@ class PPOTrainer:
             if unwrapped.value_head is not None:
                 save_value_head(unwrapped.value_head, directory)
         self.accelerator.wait_for_everyone()
+
+
+def _log_lines(records: list[dict]) -> dict[str, list[str]]:
+    """The lines of history.jsonl and samples.jsonl for in-memory records
+    (which keep their samples, for the result and the checkpoint)."""
+    return {
+        "history.jsonl": [json.dumps({k: v for k, v in r.items() if k != "samples"}) + "\n" for r in records],
+        "samples.jsonl": [json.dumps({"step": r["step"], "samples": r["samples"]}) + "\n" for r in records],
+    }
