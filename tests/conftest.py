@@ -6,6 +6,8 @@ fixtures here."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import sys
@@ -64,13 +66,29 @@ def rovist_vg_dir(tmp_path_factory) -> str:
     return str(directory)
 
 
+@contextlib.contextmanager
+def _torch_threads(n: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def one_thread():
     """Tiny models: thread start-up and contention on a shared 2-core machine
     cost far more than they save (epochs went from 0.08 s to 10 s)."""
-    import torch
+    with _torch_threads(1):
+        yield
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """``one_thread`` for a whole module (``pytestmark =
+    pytest.mark.usefixtures("one_thread_module")``)."""
+    with _torch_threads(1):
+        yield

@@ -29,12 +29,7 @@ PROMPT = "Tell me a story about these pictures."
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(autouse=True)

@@ -35,15 +35,7 @@ SETTINGS = ("visual", "prev_sentence")
 PROMPTS = ("P1", "P2")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: torch's thread pool costs more than it saves (conftest's one_thread, for the module)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

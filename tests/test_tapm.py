@@ -17,15 +17,7 @@ STORY_IDS = [[f"img{(k + j) % 5}" for j in range(3 + k % 2)] for k in range(6)] 
 
 
 @pytest.fixture(scope="module")
-def threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, threads):
+def data(tmp_path_factory, one_thread_module):
     """Images, stories, a feature store (timm test_resnet, random weights) and
     a tiny GPT-2 decoder directory."""
     from storyrl.generators.tapm.features import FeatureExtractor, write_features
@@ -116,7 +108,7 @@ def test_neighbour_pooling_matches_a_hand_computation():
             assert torch.equal(out[0, i, 5:], x[0, i])
 
 
-def test_generate_with_kv_cache_equals_greedy_without_cache(data, threads):
+def test_generate_with_kv_cache_equals_greedy_without_cache(data):
     model, _ = _model(data, seed=3)
     model.eval()
     feats, mask = _batch(data, STORY_IDS[:2])
@@ -242,7 +234,7 @@ def test_tapm_generator_writes_a_story_per_record(trained, data, tmp_path):
 
 
 @pytest.mark.slow
-def test_lora_trains_only_adapters_and_encoder(data, tmp_path, threads):
+def test_lora_trains_only_adapters_and_encoder(data, tmp_path):
     from safetensors.torch import load_file
 
     from storyrl.generators.tapm.model import TapmModel
@@ -286,7 +278,7 @@ def _summary(output: str) -> dict:
 
 
 @pytest.mark.slow
-def test_features_then_train_through_the_cli(data, tmp_path, threads):
+def test_features_then_train_through_the_cli(data, tmp_path):
     from click.testing import CliRunner
 
     from storyrl.cli import main
