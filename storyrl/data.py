@@ -234,7 +234,18 @@ def _parse_score(value: str, path: Path, record: str, metric: str) -> float:
         raise StoryDataError(path, f"{metric}: not a number: {value!r}", record) from None
 
 
-def read_scores(path: str | os.PathLike, metric: str | None = None) -> ScoreTable:
+def read_scores(path: str | os.PathLike, metric: str | None = None, require: Sequence[str] = ()) -> ScoreTable:
+    """Read a score table; ``require``: metric columns it must have
+    (ValueError naming the file and the missing columns). Formats: see
+    :func:`_read_score_file`."""
+    table = _read_score_file(path, metric)
+    missing = [m for m in require if m not in table.scores]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(missing)} column (it has {table.metrics})")
+    return table
+
+
+def _read_score_file(path: str | os.PathLike, metric: str | None = None) -> ScoreTable:
     """Read a score table.
 
     * CSV with ``story_id`` and metric columns (the authors' ``R_score`` /

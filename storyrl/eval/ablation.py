@@ -377,10 +377,7 @@ def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[s
 
     human_records = [_human(r) for r in records]
     if ev.human_scores is not None:
-        human = read_scores(ev.human_scores)
-        missing = [m for m in dims if m not in human.scores]
-        if missing:
-            raise ValueError(f"{ev.human_scores}: no {', '.join(missing)} column (it has {human.metrics})")
+        human = read_scores(ev.human_scores, require=dims)
     else:
         if not any(r.story.strip() for r in human_records):
             raise ValueError(f"{ev.data}: the records have no human stories; give eval.human_scores")

@@ -431,10 +431,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
         return None
     try:
         if config.human_scores is not None:
-            human = read_scores(config.human_scores)
-            missing = [m for m in metrics if m not in human.scores]
-            if missing:
-                raise ValueError(f"{config.human_scores}: no {', '.join(missing)} column (it has {human.metrics})")
+            human = read_scores(config.human_scores, require=metrics)
         else:
             if not any(r.story.strip() for r in records):
                 raise ValueError(f"{config.data}: the records have no human stories; give human_scores")

@@ -152,10 +152,7 @@ class DHM(CompositeReward):
             return self._table
         from storyrl.data import read_scores
 
-        table = read_scores(self.human_scores)
-        missing = [DIMENSIONS[d] for d in self.dimensions if DIMENSIONS[d] not in table.scores]
-        if missing:
-            raise ValueError(f"{self.human_scores}: no {', '.join(missing)} column for d_HM (it has {table.metrics})")
+        table = read_scores(self.human_scores, require=[DIMENSIONS[d] for d in self.dimensions])
         self._table, self._table_ids = table, set(table.ids)
         return table
 
