@@ -169,18 +169,24 @@ class _TorchvisionHook:
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torchvision":
             return None
-        _uninstall_hook()
         # Resolve the spec ourselves rather than returning None: removing ourselves from
         # sys.meta_path mid-iteration would make importlib skip the next finder.
         spec = _real_spec(fullname)
-        if _ensure() and spec is not None and spec.loader is not None:
-            exec_module = spec.loader.exec_module
+        if not (_ensure() and spec is not None and spec.loader is not None):
+            _uninstall_hook()
+            return spec
+        exec_module = spec.loader.exec_module
 
-            def exec_then_patch(module):
-                exec_module(module)
-                _allow_fallback_ops()
+        def exec_then_patch(module):
+            _uninstall_hook()
+            exec_module(module)
+            _allow_fallback_ops()
 
-            spec.loader.exec_module = exec_then_patch
+        # The hook stays until torchvision really executes: a probe such as
+        # importlib.util.find_spec("torchvision") (transformers' and peft's
+        # availability checks) asks for a spec it never loads, and the import
+        # that follows gets a spec of its own.
+        spec.loader.exec_module = exec_then_patch
         return spec
 
 

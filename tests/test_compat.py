@@ -173,3 +173,22 @@ def test_nms_fallback_matches_reference(seed, thr):
     # integer inputs (what qnms receives) take the same path
     ib, isc = boxes.round().to(torch.uint8), (scores * 255).to(torch.uint8)
     assert _nms(ib, isc, thr).tolist() == _reference_nms(ib.tolist(), isc.tolist(), thr)
+
+
+def test_hook_survives_an_availability_probe():
+    """transformers and peft probe with importlib.util.find_spec("torchvision")
+    before importing it; the real import must still get the nms fallback."""
+    out = run_py("""
+        import importlib.util, json, sys
+        import storyrl.compat as c
+        c.install_torchvision_hook()
+        probed = importlib.util.find_spec("torchvision") is not None
+        import torch, torchvision
+        boxes = torch.tensor([[0, 0, 10, 10], [0, 0, 10, 10]], dtype=torch.float32)
+        print(json.dumps({
+            "probed": probed,
+            "nms": torchvision.ops.nms(boxes, torch.tensor([0.9, 0.8]), 0.5).tolist(),
+            "hook_left": any(isinstance(f, c._TorchvisionHook) for f in sys.meta_path),
+        }))
+    """)
+    assert out == {"probed": True, "nms": [0], "hook_left": False}
