@@ -116,7 +116,7 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
 
 
 def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool) -> RLResult:
-    """storyrl's PPO (its history.jsonl holds the story statistics and samples)."""
+    """storyrl's PPO (it writes history.jsonl with the story statistics and samples.jsonl itself)."""
     from storyrl.training.rl.policy import lora_config, merge_adapters
     from storyrl.training.rl.ppo import PPOTrainer, find_latest_checkpoint
 
