@@ -60,6 +60,7 @@ class StoryRecord:
     images: list[str] | None = None
     image_ids: list[str] | None = None
     reference: str | None = None
+    references: list[str] | None = None  # several human stories (reference-based metrics)
     noun_phrases: list[str] | None = None  # precomputed (the authors' NP files), skips spaCy
 
     def to_json(self) -> dict[str, Any]:
@@ -174,6 +175,7 @@ def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:
                 image_ids=_string_list(obj.get("image_ids"), path, where, "image_ids"),
                 noun_phrases=_string_list(obj.get("noun_phrases"), path, where, "noun_phrases"),
                 reference=reference,
+                references=_string_list(obj.get("references"), path, where, "references"),
             )
         )
     return records

@@ -21,8 +21,9 @@ __all__ = ["CONTEXT_FIELDS", "make_metric", "score_batches", "score_context", "s
 
 #: Record fields a reward may take as per-story context (images for the
 #: grounding rewards, the human story as reference, precomputed noun phrases,
-#: the story id that keys ``dhm``'s human score table).
-CONTEXT_FIELDS = ("story_id", "images", "image_ids", "reference", "noun_phrases")
+#: the story id that keys ``dhm``'s human score table, several human
+#: stories for the reference-based baselines).
+CONTEXT_FIELDS = ("story_id", "images", "image_ids", "reference", "references", "noun_phrases")
 
 
 def score_context(batch: Sequence[StoryRecord]) -> dict[str, list]:

@@ -38,6 +38,12 @@ REWARDS.add("coherence", "storyrl.rewards.coherence:Coherence",
 REWARDS.add("rovist_vg", "storyrl.rewards.rovist_vg:RovistVG",
             "RoViST-VG visual grounding: GloVe nouns / ViT regions, idf-weighted log-sum-exp.",
             aliases=("rovist-vg",))
+REWARDS.add("bleu", "storyrl.rewards.bleu:BLEU",
+            "Sentence BLEU (sacreBLEU) of the story against its references, in [0, 1].")
+REWARDS.add("rouge_l", "storyrl.rewards.rouge:RougeL",
+            "ROUGE-L (rouge-score) of the story against its best reference, in [0, 1].", aliases=("rouge-l",))
+REWARDS.add("vrank", "storyrl.rewards.vrank:Vrank",
+            "Vrank (VHED): learned pairwise story judge; the candidate against its reference, positive = better.")
 REWARDS.add("dhm", "storyrl.rewards.dhm:DHM",
             "Minus d_HM to the human story: weighted mean |human - model| of grounding, coherence, repetition.")
 REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",
