@@ -464,3 +464,45 @@ def save_tiny_chat_vlm(directory: Path, texts, seed: int = 0) -> str:
     processor.chat_template = LLAVA_CHAT_TEMPLATE
     processor.save_pretrained(directory)
     return str(directory)
+
+
+# -- Vrank (BERT encoder, WordPiece) ---------------------------------------------------
+
+BERT_SIZE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+             "max_position_embeddings": 128}
+
+
+def bert_wordpiece_tokenizer(texts, directory: Path):
+    """A real BERT WordPiece tokenizer (``BertTokenizerFast``, lower-casing)
+    whose ``vocab.txt`` in ``directory`` holds ``BERT_SPECIALS`` and every
+    lower-cased word and punctuation mark of ``texts`` (sorted), so no word is
+    split or unknown; pair encoding ``[CLS] a [SEP] b [SEP]`` with token types."""
+    import re
+
+    from transformers import BertTokenizerFast
+
+    words = sorted({w for t in texts for w in re.findall(r"\w+|[^\w\s]", t.lower())} - set(BERT_SPECIALS))
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = BERT_SPECIALS + words
+    (directory / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    # transformers 5 takes the vocabulary itself (a mapping), not vocab_file.
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+
+
+def bert_config(vocab_size: int, **overrides):
+    """``transformers.BertConfig`` of ``BERT_SIZE`` (hidden 32, 2 layers) for a
+    vocabulary of ``vocab_size``."""
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=vocab_size, **{**BERT_SIZE, **overrides})
+
+
+def vrank_model(vocab_size: int, seed: int = 0, pooling: str = "pooler", **overrides):
+    """A random-weight ``VrankModel`` over a :func:`bert_config` BERT, seeded,
+    in training mode."""
+    import torch
+
+    from storyrl.models.vrank import VrankModel
+
+    torch.manual_seed(seed)
+    return VrankModel.from_config(bert_config(vocab_size, **overrides), pooling=pooling)
