@@ -10,6 +10,7 @@ Output directory layout::
     history.jsonl   one JSON record per epoch (the last one marked
                     ``"partial": true`` when max_steps stopped inside an epoch)
     best/           save_fn's output for the epoch with the lowest val loss
+                    (or the best ``monitor`` value, e.g. highest val_acc)
     last/           accelerate checkpoint + trainer_state.json (resume)
     last.old/, best.old/   the previous version, present only when a crash
                     interrupted its replacement; resume falls back to them
@@ -62,11 +63,13 @@ SaveFn = Callable[[torch.nn.Module, Path], None]
 
 @dataclass
 class FitResult:
-    best_epoch: int  # 1-based; 0 when no epoch produced a finite val loss
-    best_val_loss: float
+    best_epoch: int  # 1-based; 0 when no epoch produced a finite monitored value
+    best_val_loss: float  # the best epoch's validation loss
     epochs_run: int  # epochs completed in total, including those before a resume
     stopped_early: bool
     history: list[dict] = field(default_factory=list)
+    monitor: str = "val_loss"  # the history key that chose best/ and early stopping
+    best_metric: float = math.nan  # its value at the best epoch
 
 
 class _EpochShuffleSampler(Sampler[int]):
@@ -192,6 +195,8 @@ def fit(
     save_fn: SaveFn | None = None,
     resume: bool = False,
     progress: bool = True,
+    monitor: str = "val_loss",
+    maximize: bool = False,
 ) -> FitResult:
     """Train ``model`` on ``train_dataset``, validating on ``val_dataset`` after
     every epoch.
@@ -210,6 +215,11 @@ def fit(
     record, replaced once the epoch completes): it does not touch ``best/``,
     the lr schedule or early stopping, and ``epochs_run`` counts complete
     epochs only.
+
+    ``monitor`` names the epoch-record value that picks ``best/`` and drives
+    early stopping (default the validation loss, lower is better), e.g.
+    ``"val_acc"`` with ``maximize=True``; a NaN or missing value never
+    improves.
     """
     from accelerate.utils import send_to_device, set_seed
     from tqdm.auto import tqdm
@@ -271,7 +281,9 @@ def fit(
     history: list[dict] = []
     epoch_done = 0
     global_step = 0
-    best_val = math.inf
+    sign = -1.0 if maximize else 1.0  # the monitored value, as something to minimise
+    best_val = math.inf  # sign * best monitored value
+    best_loss = math.nan  # the best epoch's val loss
     best_epoch = 0
     bad_epochs = 0
     stopped_early = False
@@ -284,7 +296,10 @@ def fit(
         state = load_checkpoint(accelerator, checkpoint, config)
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
-        best_val = state["best_val_loss"] if state["best_val_loss"] is not None else math.inf
+        # Older checkpoints, and val_loss runs, keep only best_val_loss.
+        best_value = state.get("best_metric", state["best_val_loss"])
+        best_val = sign * best_value if best_value is not None else math.inf
+        best_loss = state["best_val_loss"] if state["best_val_loss"] is not None else math.nan
         best_epoch, bad_epochs = state["best_epoch"], state["bad_epochs"]
         # A larger patience on resume lets an early-stopped run go on.
         stopped_early = state["stopped_early"] and bad_epochs >= config.patience
@@ -406,10 +421,10 @@ def fit(
         improved = False
         if not partial:
             epoch_done = epoch
-            val_loss = record["val_loss"]
-            improved = val_loss < best_val  # False for NaN
+            value = sign * float(record.get(monitor, math.nan))
+            improved = value < best_val  # False for NaN
             if improved:
-                best_val, best_epoch, bad_epochs = val_loss, epoch, 0
+                best_val, best_loss, best_epoch, bad_epochs = value, record["val_loss"], epoch, 0
             else:
                 bad_epochs += 1
                 stopped_early = bad_epochs >= config.patience and epoch < config.epochs
@@ -429,7 +444,8 @@ def fit(
             {
                 "epoch": epoch_done,
                 "global_step": global_step,
-                "best_val_loss": best_val if math.isfinite(best_val) else None,
+                "best_val_loss": best_loss if math.isfinite(best_loss) else None,
+                "best_metric": sign * best_val if math.isfinite(best_val) else None,
                 "best_epoch": best_epoch,
                 "bad_epochs": bad_epochs,
                 "stopped_early": stopped_early,
@@ -461,15 +477,17 @@ def fit(
         epoch_bar.set_postfix({k: shown[k] for k in shown if k.startswith(("train_", "val_"))})
         epoch_bar.update(1)
         if stopped_early:
-            logger.info("early stopping: no val-loss improvement for %d epochs (best epoch %d)", bad_epochs, best_epoch)
+            logger.info("early stopping: no %s improvement for %d epochs (best epoch %d)", monitor, bad_epochs, best_epoch)
     epoch_bar.close()
     accelerator.wait_for_everyone()
     return FitResult(
         best_epoch=best_epoch,
-        best_val_loss=best_val,
+        best_val_loss=best_loss if best_epoch else math.inf,
         epochs_run=epoch_done,
         stopped_early=stopped_early,
         history=history,
+        monitor=monitor,
+        best_metric=sign * best_val if math.isfinite(best_val) else math.nan,
     )
 
 
