@@ -18,7 +18,7 @@ from scipy import stats
 import storyrl  # noqa: F401
 from storyrl.cli import main
 from storyrl.eval.meta_eval import Metric, original_vs_random_table, pairs_table, ratings_table
-from storyrl.eval.meta_eval_stats import bootstrap_ci, correlations, pair_correct
+from storyrl.eval.meta_eval_stats import bootstrap_ci, correlations, pair_correct, system_means
 from storyrl.judgements.pairs import PreferencePair, load_pairs_jsonl, vhed_pairs
 from storyrl.judgements.ratings import load_ratings
 from storyrl.judgements.vhed import VHED_COLUMNS, load_vhed
@@ -162,6 +162,9 @@ def test_vhed_subsets_and_buckets(tmp_path):
     assert everywhere[0].subsets[-1] == "|gap|≤0.25"
     with pytest.raises(ValueError, match="increasing"):
         vhed_pairs(data, gap_edges=(0.2, 0.1))
+    # a reference-vs-reference pair is in neither R&M nor M&M
+    refs = load_vhed(write_vhed(tmp_path / "r.csv", [("ref one", "ref two", -0.5, "reference", "GT", 5, "q")]))
+    assert vhed_pairs(refs)[0].subsets == ("Ω5", "Ω{4,5}", "|gap|>0.3")
     # accuracy on VHED's subsets, by hand: story length as the metric
     metric = Lookup({"ref one": 3, "mach a": 1, "mach b": 2, "mach c": 0, "mach d": 0})
     got = rows_of(pairs_table(pairs, [Metric("m", reward=metric)], progress=False))
@@ -235,6 +238,7 @@ def test_correlations_equal_scipy_and_bootstrap():
     assert a != bootstrap_ci(human, metric, n_boot=200, seed=4)
     assert a[0] < got["kendall"] < a[1]
     assert math.isnan(correlations([1, 1, 1], [1, 2, 3])["kendall"])
+    assert system_means(["A", "B", "A", "A"], [1.0, 5.0, 2.0, 6.0]) == {"A": 3.0, "B": 5.0}
 
 
 RATINGS = [
