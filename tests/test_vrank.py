@@ -160,6 +160,10 @@ def test_truncation_keeps_both_stories(tokenizer):
     assert len(ids) == 16 and ids.count(tokenizer.sep_token_id) == 2
     # longest_first cuts the long story only: the short one is whole.
     assert ids[ids.index(tokenizer.sep_token_id) + 1 : -1] == tokenizer(short_b, add_special_tokens=False)["input_ids"]
+    # Two long stories share the room: each keeps (16 - 3) / 2 tokens, give or take one.
+    enc = encode_story_pairs(tokenizer, [long_a], [" ".join(["girl"] * 100)], max_length=16)
+    types = enc["token_type_ids"][0].tolist()
+    assert len(types) == 16 and abs((types.count(0) - 2) - (types.count(1) - 1)) <= 1
 
 
 def test_rank_against_independent_preferences(model_dir, tokenizer):
@@ -295,8 +299,9 @@ def test_resume_equals_uninterrupted(tmp_path, tokenizer):
     csv_path = write_vhed(tmp_path / "vhed.csv", n_seq=12, pairs_per_seq=2, seed=2)
     full = train_vrank(train_config(tmp_path / "a", csv_path, epochs=2), progress=False,
                        model=vrank_model(len(tokenizer), seed=1), tokenizer=tokenizer)
-    # Stopped inside the first epoch, then resumed to the end.
-    train_vrank(train_config(tmp_path / "b", csv_path, epochs=2, max_steps=1), progress=False,
+    # Stopped inside the second epoch (after the first's checkpoint and best/), then resumed to the end.
+    steps_per_epoch = full.history[0]["step"]
+    train_vrank(train_config(tmp_path / "b", csv_path, epochs=2, max_steps=steps_per_epoch + 1), progress=False,
                 model=vrank_model(len(tokenizer), seed=1), tokenizer=tokenizer)
     resumed = train_vrank(train_config(tmp_path / "b", csv_path, epochs=2), resume=True, progress=False,
                           model=vrank_model(len(tokenizer), seed=1), tokenizer=tokenizer)
@@ -305,6 +310,9 @@ def test_resume_equals_uninterrupted(tmp_path, tokenizer):
         assert {k: v for k, v in got.items() if k != "seconds"} == pytest.approx(
             {k: v for k, v in want.items() if k != "seconds"}, rel=1e-5)
     assert (resumed.best_epoch, resumed.best_metric) == (full.best_epoch, full.best_metric)
+    states = [json.loads((tmp_path / x / "run" / "last" / "trainer_state.json").read_text()) for x in "ab"]
+    keys = ("best_metric", "best_val_loss", "best_epoch", "bad_epochs", "epoch", "global_step")
+    assert [states[1][k] for k in keys] == pytest.approx([states[0][k] for k in keys])
     a, b = stories(4, seed=8), stories(4, seed=9)
     np.testing.assert_allclose(
         reward(str(tmp_path / "b" / "run" / "best")).compare(a, b),
