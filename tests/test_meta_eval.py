@@ -430,3 +430,14 @@ def test_pairs_jsonl_loader(tmp_path):
                     ' "references": ["q"], "images": ["i"]}\n\n')
     (pair,) = load_pairs_jsonl(path)
     assert pair.subsets == ("x",) and pair.gap == 1.0 and pair.references == ("q", "r") and pair.images == ("i",)
+
+
+def test_vhed_extra_references(tmp_path):
+    vhed = write_vhed(tmp_path / "v.csv", VHED_ROWS)
+    pairs = vhed_pairs(load_vhed(vhed), references={"seq1": ["extra", "ref one"], "t3": ["by story id"]})
+    assert pairs[0].references == ("ref one", "extra") and pairs[3].references == ("by story id",)
+    bad = tmp_path / "refs.json"
+    bad.write_text("{oops")
+    res = run("meta-eval", "pairs", "--vhed", vhed, "--references", bad, "-m", "repetition", "--out", tmp_path / "o.csv")
+    assert res.exit_code == 1 and res.output.strip().splitlines() == [f"Error: {bad}: invalid JSON at line 1: "
+                                                                      "Expecting property name enclosed in double quotes"]

@@ -160,7 +160,10 @@ def pairs(vhed, vist_edit, pairs_file, metrics, configs, score_files, out, overw
 
             refs = None
             if references_file is not None:
-                refs = json.loads(references_file.read_text(encoding="utf-8"))
+                try:
+                    refs = json.loads(references_file.read_text(encoding="utf-8"))
+                except json.JSONDecodeError as exc:
+                    _fail(f"{references_file}: invalid JSON at line {exc.lineno}: {exc.msg}")
                 if not isinstance(refs, dict) or not all(
                         isinstance(v, list) and all(isinstance(s, str) for s in v) for v in refs.values()):
                     _fail(f"{references_file}: expected a JSON object {{img_seq or story_id: [stories]}}")
