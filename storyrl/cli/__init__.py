@@ -24,6 +24,7 @@ from storyrl.cli.data import assets, regions
 from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
+from storyrl.cli.meta_eval import meta_eval
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.serve import serve
 from storyrl.cli.sweep import sweep
@@ -93,3 +94,4 @@ for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, asse
     main.add_command(_command)
 main.add_command(ablate)
 main.add_command(serve)
+main.add_command(meta_eval)
