@@ -293,13 +293,37 @@ def test_encoders_frozen_and_embedded_once(trained):
     assert stats["texts_embedded"] == 32  # 32 distinct captions (references are captions too)
 
 
-def test_augmentation_adds_zero_rated_negatives(raccoon_dir, tiny_bert, tmp_path):
+def test_augmentation_and_unreadable_images(raccoon_dir, tiny_bert, tmp_path):
     from storyrl.training.cosmic import train_cosmic
 
-    result = train_cosmic(_train_config(raccoon_dir, tiny_bert, tmp_path / "plus", augment=2, epochs=1),
-                          progress=False)
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not an image")
+    lines = (raccoon_dir / "map.tsv").read_text().splitlines()
+    lines[-1] = lines[-1].split("\t")[0] + f"\t{bad}"  # image 7 cannot be decoded
+    (tmp_path / "map.tsv").write_text("\n".join(lines) + "\n")
+    config = _train_config(raccoon_dir, tiny_bert, tmp_path / "plus", augment=2, epochs=1,
+                           image_map=str(tmp_path / "map.tsv"))
+    result = train_cosmic(config, progress=False)
     plain = result.data["train"] - result.data["augmented"]
     assert result.data["augmented"] == 2 * plain
+    assert result.data["skipped"]["unreadable image"] == 4 and result.data["examples"] == 28
+
+
+def test_reference_choice():
+    from storyrl.judgements.raccoon import RaCCoonRecord
+    from storyrl.training.cosmic import build_examples
+
+    def rec(row, caption, coherence, rating, url="u"):
+        return RaCCoonRecord(str(row), "2", caption, url, coherence, f"x{row}", rating, None, row)
+
+    records = [rec(1, "meta", "Meta", 1.0), rec(2, "vis low", "Visible", 0.25), rec(3, "vis high", "Visible", 0.75),
+               rec(4, "story", "Story", 1.0), rec(5, "vis high", "Visible", 0.5), rec(6, "alone", "Story", 1.0, "v"),
+               rec(7, "act", "Action", 1.0)]
+    skipped = Counter()
+    pairs = [(r.row, ref.row) for r, ref in build_examples(records, ["Meta", "Visible", "Subjective", "Story"], skipped)]
+    # Visible first, then the highest rating, never the candidate's own text.
+    assert pairs == [(1, 3), (2, 3), (3, 2), (4, 3), (5, 2)]
+    assert skipped == Counter({"no reference": 1, "label Action not in labels": 1})
 
 
 # -- the story reward ----------------------------------------------------------------
@@ -336,10 +360,23 @@ def _independent(trained, story, imgs, ref, cand_label="Story", ref_label="Story
             e_img = tower(pixels)
             e_c = bert(**tok(sent, return_tensors="pt")).last_hidden_state[:, 0]
             e_r = bert(**tok(rsent, return_tensors="pt")).last_hidden_state[:, 0]
-            labels = list(head.labels)
-            s = head(e_img, e_c, e_r, torch.tensor([labels.index(cand_label)]), torch.tensor([labels.index(ref_label)]))
-        scores.append(float(s))
+        scores.append(_head_by_hand(head, e_img, e_c, e_r, cand_label, ref_label))
     return float(np.mean(scores))
+
+
+def _head_by_hand(head, e_img, e_c, e_r, cand_label, ref_label):
+    """Eqs. 3-6 in numpy from the saved weights: shared Linear_2 / Linear_3, ReLU MLP, Linear_4."""
+    w = {k: v.double().numpy() for k, v in head.state_dict().items()}
+    lin = lambda x, name: x @ w[f"{name}.weight"].T + w[f"{name}.bias"]  # noqa: E731
+    onehot = lambda label: np.eye(len(head.labels))[list(head.labels).index(label)][None]  # noqa: E731
+    x = np.concatenate([lin(e_img.double().numpy(), "image_proj"), lin(e_c.double().numpy(), "text_proj"),
+                        lin(e_r.double().numpy(), "text_proj"), lin(onehot(cand_label), "label_proj"),
+                        lin(onehot(ref_label), "label_proj")], axis=1)
+    linears = sorted({int(k.split(".")[1]) for k in w if k.startswith("mlp.")})
+    assert len(linears) == 7  # 512, 256, ..., 8
+    for i in linears:
+        x = np.maximum(lin(x, f"mlp.{i}"), 0.0)
+    return float(lin(x, "out")[0, 0])
 
 
 def test_reward_equals_independent_mean(trained, images):
@@ -356,6 +393,20 @@ def test_reward_equals_independent_mean(trained, images):
 
     listed = reward.score(STORIES, images=[images, images[::-1]], reference=[split_sentences(r) for r in REFS])
     np.testing.assert_array_equal(listed, got)
+
+
+def test_reward_aligns_sentence_image_and_reference(trained, images, monkeypatch):
+    from storyrl.models.cosmic import CosmicScorer
+
+    seen = []
+    original = CosmicScorer.score
+    monkeypatch.setattr(CosmicScorer, "score", lambda self, examples: seen.extend(examples) or original(self, examples))
+    _reward(trained, reference_label="Visible").score(STORIES[:1], images=[images[::-1]], reference=REFS[:1])
+    assert [(e.image, e.candidate, e.reference, e.candidate_label, e.reference_label) for e in seen] == [
+        (images[2], "A red dog ran.", "A dog on the road.", "Story", "Visible"),
+        (images[1], "The boat sailed.", "A boat on the sea.", "Story", "Visible"),
+        (images[0], "I love this view.", "A tree in the park.", "Story", "Visible"),
+    ]
 
 
 def test_reward_batched_equals_one_by_one_and_reload(trained, images):
