@@ -44,6 +44,8 @@ REWARDS.add("rouge_l", "storyrl.rewards.rouge:RougeL",
             "ROUGE-L (rouge-score) of the story against its best reference, in [0, 1].", aliases=("rouge-l",))
 REWARDS.add("vrank", "storyrl.rewards.vrank:Vrank",
             "Vrank (VHED): learned pairwise story judge; the candidate against its reference, positive = better.")
+REWARDS.add("cosmic", "storyrl.rewards.cosmic:COSMiC",
+            "COSMiC Vanilla: learned coherence-aware caption metric, each sentence with its image, mean.")
 REWARDS.add("dhm", "storyrl.rewards.dhm:DHM",
             "Minus d_HM to the human story: weighted mean |human - model| of grounding, coherence, repetition.")
 REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",

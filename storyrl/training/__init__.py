@@ -33,6 +33,10 @@ TRAINERS.add("coherence", "storyrl.training.coherence:TRAINER",
              "RoViST-C: the ALBERT sentence-order model of the coherence reward.")
 TRAINERS.add("rovist_vg", "storyrl.training.rovist_vg:TRAINER",
              "RoViST-VG: the ViT/GloVe region-noun model of the rovist_vg reward.", aliases=("rovist-vg",))
+TRAINERS.add("vrank", "storyrl.training.vrank:TRAINER",
+             "Vrank: the pairwise story ranker of the vrank reward, on VHED-format CSVs.")
+TRAINERS.add("cosmic", "storyrl.training.cosmic:TRAINER",
+             "COSMiC Vanilla/Vanilla+: the coherence-aware caption metric's head on RaCCoon-format ratings.")
 TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
              "TAPM-style storyteller: adaptation stage (decoder frozen), then downstream cross-entropy.")
 TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
