@@ -349,5 +349,7 @@ def test_train_command_line(tmp_path, tokenizer):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["epochs_run"] == 1
+    history = [json.loads(line) for line in (tmp_path / "run" / "history.jsonl").read_text().splitlines()]
+    assert summary["val_acc"] == max(h["val_acc"] for h in history)  # what chose best/, not only the loss
     r = create_reward("vrank", model=str(tmp_path / "run" / "best"), device="cpu")
     assert np.isfinite(r.compare(["the dog sang a song ."], ["dog dog dog ."])).all()

@@ -66,6 +66,8 @@ def _train_command(name: str, description: str) -> click.Command:
             "output_dir": config.output_dir,
             "best_epoch": result.best_epoch,
             "best_val_loss": result.best_val_loss,
+            # What chose best/ when it is not the validation loss (Vrank: val_acc).
+            **({result.monitor: result.best_metric} if getattr(result, "monitor", "val_loss") != "val_loss" else {}),
             "epochs_run": result.epochs_run,
             "stopped_early": result.stopped_early,
         }))
