@@ -441,3 +441,33 @@ def test_vhed_extra_references(tmp_path):
     res = run("meta-eval", "pairs", "--vhed", vhed, "--references", bad, "-m", "repetition", "--out", tmp_path / "o.csv")
     assert res.exit_code == 1 and res.output.strip().splitlines() == [f"Error: {bad}: invalid JSON at line 1: "
                                                                       "Expecting property name enclosed in double quotes"]
+
+
+class FirstWins:
+    """A pairwise judge that always prefers the story it reads first."""
+
+    name = "first"
+
+    def __init__(self):
+        self.firsts = []
+
+    def compare(self, first, second, **context):
+        self.firsts.extend(first)
+        return np.ones(len(first))
+
+
+def test_pairwise_judge_reads_pairs_in_source_order(tmp_path):
+    # VHED: story1 first, as the model was trained; a first-story bias earns
+    # exactly the share of pairs whose story1 is better (2 of the 5 kept rows).
+    pairs = vhed_pairs(load_vhed(write_vhed(tmp_path / "v.csv", VHED_ROWS)))
+    judge = FirstWins()
+    assert rows_of(pairs_table(pairs, [Metric("first", reward=judge)], progress=False))[("all", "first")][2:] == [5, 2 / 5]
+    assert judge.firsts == [r[0] for r in VHED_ROWS if r[2] != 0]
+    # Pairs without an order: a fixed coin per pair, not always the better story first.
+    loose = [PreferencePair(f"better {i}", f"worse {i}") for i in range(40)]
+    judge = FirstWins()
+    accuracy = rows_of(pairs_table(loose, [Metric("first", reward=judge)], progress=False))[("all", "first")][3]
+    assert accuracy == sum(f.startswith("better") for f in judge.firsts) / 40 and 0.25 < accuracy < 0.75
+    again = FirstWins()
+    pairs_table(loose, [Metric("first", reward=again)], progress=False)
+    assert again.firsts == judge.firsts  # reproducible

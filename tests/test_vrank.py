@@ -353,3 +353,32 @@ def test_train_command_line(tmp_path, tokenizer):
     assert summary["val_acc"] == max(h["val_acc"] for h in history)  # what chose best/, not only the loss
     r = create_reward("vrank", model=str(tmp_path / "run" / "best"), device="cpu")
     assert np.isfinite(r.compare(["the dog sang a song ."], ["dog dog dog ."])).all()
+
+
+def test_meta_eval_pairs_with_vrank(model_dir, tmp_path):
+    """`storyrl meta-eval pairs --vhed ... -m vrank`: the pairwise path
+    (compare) end to end; accuracies recomputed from the encoder by hand."""
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.models.vrank import VrankModel
+
+    csv_path = write_vhed(tmp_path / "vhed.csv", n_seq=4, pairs_per_seq=3, seed=5)
+    with open(csv_path, encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    net, tok = VrankModel.from_pretrained(model_dir)
+    predicted = independent_gaps(net, tok, [r["sent1"] for r in rows], [r["sent2"] for r in rows])
+    # Correct iff the predicted gap has the human gap's sign (agreement 2 reads as 3).
+    correct = [(p < 0) == (float(r["label"]) < 0) and p != 0 for p, r in zip(predicted, rows)]
+    agreement = [max(int(r["agreement"]), 3) for r in rows]
+    out = tmp_path / "table.csv"
+    result = CliRunner().invoke(main, ["meta-eval", "pairs", "--vhed", csv_path, "-m", "vrank",
+                                       "--vrank-model", model_dir, "--device", "cpu", "--out", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    with open(out, encoding="utf-8") as f:
+        table = {r["subset"]: r for r in csv.DictReader(f) if r["metric"] == "vrank"}
+    for subset, keep in {"all": lambda k: True, "Ω3": lambda k: k == 3, "Ω{4,5}": lambda k: k >= 4}.items():
+        picked = [c for c, k in zip(correct, agreement) if keep(k)]
+        if picked:
+            assert int(table[subset]["n"]) == len(picked)
+            assert float(table[subset]["accuracy"]) == pytest.approx(sum(picked) / len(picked), abs=1e-9)

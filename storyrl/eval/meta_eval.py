@@ -3,7 +3,11 @@
 * :func:`pairs_table` — pair accuracy per subset (VHED, VIST-Edit, JSONL
   pairs; :mod:`storyrl.judgements.pairs`). A metric with
   ``compare(first, second, **context)`` (Vrank) judges each pair directly
-  (positive = the first story is better). Any other metric scores stories:
+  (positive = the first story is better), reading each pair in its
+  source's order (VHED: story1 first, as Vrank trained; VIST-Edit and
+  JSONL pairs: a coin flip fixed by the two texts, since always putting
+  the better story first would reward a judge biased to the first
+  story). Any other metric scores stories:
   every distinct (story text, context) is scored ONCE per metric, in
   batches, with the context the data has (``story_id``, ``images``,
   ``image_ids``, ``references``), and the pair is correct iff the preferred
@@ -26,6 +30,7 @@ exit non-zero when every metric failed.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -149,8 +154,11 @@ def _correct_by_scores(pairs: Sequence[PreferencePair], metric: Metric, batch_si
                     column = [None if getattr(p, key) is None else _list(getattr(p, key)) for p in chunk]
                     if any(v is not None for v in column):
                         context[key] = column
-                values[start:start + len(chunk)] = reward.compare([p.better for p in chunk],
-                                                                  [p.worse for p in chunk], **context)
+                first = [_better_first(p) for p in chunk]
+                judged = reward.compare([p.better if f else p.worse for p, f in zip(chunk, first)],
+                                        [p.worse if f else p.better for p, f in zip(chunk, first)], **context)
+                # Positive = the first story is better: flip where the worse one came first.
+                values[start:start + len(chunk)] = np.where(first, 1.0, -1.0) * judged
                 bar.update(len(chunk))
         return pair_correct(values), int((~np.isfinite(values)).sum())
     # one unit per distinct (text, context): a story shared by pairs is scored once
@@ -165,6 +173,16 @@ def _correct_by_scores(pairs: Sequence[PreferencePair], metric: Metric, batch_si
     sides = np.asarray(sides).reshape(-1, 2)
     better, worse = scores[sides[:, 0]], scores[sides[:, 1]]
     return pair_correct(better, worse), int((~(np.isfinite(better) & np.isfinite(worse))).sum())
+
+
+def _better_first(pair: PreferencePair) -> bool:
+    """The order a pairwise judge reads a pair in: the source's (VHED's story1
+    first), else a coin flip fixed by the two texts. Always putting the better
+    story first would reward a judge that simply prefers the first story."""
+    if pair.better_first is not None:
+        return pair.better_first
+    digest = hashlib.sha1(f"{pair.better}\0{pair.worse}".encode("utf-8", "surrogatepass")).digest()
+    return digest[0] % 2 == 0
 
 
 def _list(value: Any) -> Any:

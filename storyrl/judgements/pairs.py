@@ -78,6 +78,9 @@ class PreferencePair:
     image_ids: tuple[str, ...] | None = None
     better_id: str | None = None
     worse_id: str | None = None
+    #: whether ``better`` came first in the source (VHED's story1); a
+    #: pairwise judge reads the pair in that order. None: no order given.
+    better_first: bool | None = None
     #: where the pair comes from, for messages ("file: row n")
     source: str = ""
 
@@ -170,7 +173,7 @@ def vhed_pairs(
         out.append(PreferencePair(
             better=better, worse=worse, subsets=tuple(subsets), story_id=p.story_id or None,
             gap=abs(gap), references=tuple(pair_refs), image_ids=_image_ids(p.img_seq),
-            source=f"{data.path}: row {p.row}",
+            better_first=p.gap < 0, source=f"{data.path}: row {p.row}",
         ))
     return out
 
