@@ -15,9 +15,9 @@ stories of similar length when that folder is missing).
 The model is random-weight (hubs are unreachable), saved as a storyrl Vrank
 directory: ``--model tiny`` (the tests' BERT: hidden 32, 2 layers) or
 ``--model base`` (bert-base's shape: hidden 768, 12 layers, 12 heads, what
-the paper's SimCSE BERT costs). The tokenizer is a word-level BERT-style one
-trained here on the stories, so token counts are close to but not exactly
-BERT's WordPiece. Predictions must agree within ``--tol`` (exit 1 otherwise).
+the paper's SimCSE BERT costs). The tokenizer is the tests' BERT WordPiece
+tokenizer with a vocabulary of every word of the stories, so no word is split
+and token counts are close to but not exactly bert-base's. Predictions must agree within ``--tol`` (exit 1 otherwise).
 
 Usage::
 
@@ -40,6 +40,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "dhm" / "vist"
+sys.path.insert(0, str(REPO / "tests"))  # tiny_models: bert_wordpiece_tokenizer, the tests' tokenizer
 SHAPES = {
     "tiny": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64),
     "base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
@@ -72,25 +73,6 @@ def load_pairs(n: int) -> tuple[list[str], list[str], str]:
     return [story() for _ in range(n)], [story() for _ in range(n)], "synthetic"
 
 
-def build_tokenizer(texts):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(texts, trainers.WordLevelTrainer(vocab_size=30000, special_tokens=specials))
-    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"],
-    )
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import storyrl  # noqa: F401  (before transformers on CPU-only torchvision)
@@ -99,14 +81,15 @@ def main(argv=None) -> int:
 
     from storyrl.models.vrank import VrankModel
     from storyrl.rewards import create_reward
+    from tiny_models import bert_wordpiece_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     firsts, seconds, source = load_pairs(args.pairs)
-    tokenizer = build_tokenizer(firsts + seconds)
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **SHAPES[args.model])
     with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = bert_wordpiece_tokenizer(firsts + seconds, Path(tmp) / "tokenizer")
+        config = BertConfig(vocab_size=len(tokenizer), max_position_embeddings=512, **SHAPES[args.model])
         VrankModel.from_config(config).save_pretrained(tmp, tokenizer)
         reward = create_reward("vrank", model=tmp, device=args.device, precision=args.precision,
                                batch_size=args.batch_size)
