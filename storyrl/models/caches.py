@@ -8,7 +8,7 @@ import os
 import sqlite3
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,17 @@ class LruDict(OrderedDict):
         self.move_to_end(key)
         while len(self) > self.maxsize:
             self.popitem(last=False)
+
+    def fill(self, items: Mapping[Hashable, Any], encode: Callable[[list], Iterable], batch_size: int) -> int:
+        """Encode the ``{key: item}`` not cached yet, ``batch_size`` items per
+        ``encode(items)`` call (one vector per item), and cache the vectors
+        under their keys; returns how many items were encoded."""
+        todo = [(key, item) for key, item in items.items() if self.get_fresh(key) is None]
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            for (key, _), vec in zip(chunk, encode([item for _, item in chunk])):
+                self.put(key, vec)
+        return len(todo)
 
 
 class DiskEmbeddingCache:

@@ -82,12 +82,7 @@ class ClipEmbedder:
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """``[len(texts), dim]`` float32, rows L2-normalised."""
         with self._lock:
-            todo = list(dict.fromkeys(t for t in texts if self.texts.get_fresh(t) is None))
-            for start in range(0, len(todo), self.batch_size):
-                chunk = todo[start : start + self.batch_size]
-                for text, vec in zip(chunk, self._encode_texts(chunk)):
-                    self.texts.put(text, vec)
-            self.stats["texts_embedded"] += len(todo)
+            self.stats["texts_embedded"] += self.texts.fill({t: t for t in texts}, self._encode_texts, self.batch_size)
             return np.stack([self.texts[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
 
     def _encode_texts(self, texts: list[str]) -> np.ndarray:

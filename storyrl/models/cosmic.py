@@ -156,12 +156,7 @@ class CosmicEncoders:
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """``[len(texts), text_dim]`` float32 [CLS] vectors, each text run once."""
         with self._lock:
-            todo = list(dict.fromkeys(t for t in texts if self.texts.get_fresh(t) is None))
-            for start in range(0, len(todo), self.batch_size):
-                chunk = todo[start : start + self.batch_size]
-                for text, vec in zip(chunk, self._encode_texts(chunk)):
-                    self.texts.put(text, vec)
-            self.stats["texts_embedded"] += len(todo)
+            self.stats["texts_embedded"] += self.texts.fill({t: t for t in texts}, self._encode_texts, self.batch_size)
             if not texts:
                 return np.zeros((0, self.text_dim), np.float32)
             return np.stack([self.texts[t] for t in texts])
@@ -181,12 +176,8 @@ class CosmicEncoders:
 
         regions = [Region(s) for s in sources]
         with self._lock:
-            todo = list({r.key: r for r in regions if self.images.get_fresh(r.key) is None}.values())
-            for start in range(0, len(todo), self.batch_size):
-                chunk = todo[start : start + self.batch_size]
-                for region, vec in zip(chunk, self._encode_images(load_regions(chunk))):
-                    self.images.put(region.key, vec)
-            self.stats["images_embedded"] += len(todo)
+            self.stats["images_embedded"] += self.images.fill(
+                {r.key: r for r in regions}, lambda chunk: self._encode_images(load_regions(chunk)), self.batch_size)
         if not regions:
             return np.zeros((0, self.image_dim), np.float32)
         return np.stack([self.images[r.key] for r in regions])

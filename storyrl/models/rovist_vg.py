@@ -240,12 +240,8 @@ class RovistVGEmbedder:
         """``[len(regions), dim]`` float32, rows L2-normalised; ``load(regions)``
         gives PIL images of the regions not cached yet."""
         with self._lock:
-            todo = list({r.key: r for r in regions if self.regions.get_fresh(r.key) is None}.values())
-            for start in range(0, len(todo), batch_size):
-                chunk = todo[start : start + batch_size]
-                for region, vec in zip(chunk, self._encode_images(load(chunk))):
-                    self.regions.put(region.key, vec)
-            self.stats["regions_embedded"] += len(todo)
+            self.stats["regions_embedded"] += self.regions.fill(
+                {r.key: r for r in regions}, lambda chunk: self._encode_images(load(chunk)), batch_size)
             if not regions:
                 return np.zeros((0, self.model.embed_dim), np.float32)
             return np.stack([self.regions[r.key] for r in regions])
