@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -337,6 +338,15 @@ def test_mixed_precision_bf16_on_cpu(tmp_path):
     assert result.epochs_run == 2 and all(math.isfinite(r["val_loss"]) for r in result.history)
     result = fit(make_model(), blobs(64, 1), blobs(16, 2), config(tmp_path / "fp32", epochs=1), classify_step)
     assert result.epochs_run == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fp16 fallback is for machines without CUDA")
+def test_mixed_precision_fp16_without_cuda_trains_in_fp32_and_says_so(tmp_path, caplog):
+    cfg = config(tmp_path, epochs=1, mixed_precision="fp16")
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.loop"):
+        result = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    assert result.epochs_run == 1 and math.isfinite(result.history[0]["val_loss"])
+    assert "fp16 needs CUDA; training in fp32" in caplog.text
 
 
 def test_resume_without_checkpoint(tmp_path):

@@ -511,7 +511,12 @@ def _make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    kwargs = dict(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    mixed_precision = config.mixed_precision
+    if mixed_precision == "fp16" and not torch.cuda.is_available():
+        # accelerate accepts it on CPU but has no fp16 autocast there: say so.
+        logger.warning("mixed_precision fp16 needs CUDA; training in fp32")
+        mixed_precision = "no"
+    kwargs = dict(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
     try:
         return Accelerator(**kwargs)
     except ValueError as exc:
@@ -520,6 +525,6 @@ def _make_accelerator(config: TrainConfig):
     # An earlier Accelerator in this process (e.g. a previous fit) used other
     # settings. Only the accelerator-level state is reset; the process-level
     # one (devices, process group) stays.
-    logger.warning("re-initialising accelerate's state for mixed_precision=%r", config.mixed_precision)
+    logger.warning("re-initialising accelerate's state for mixed_precision=%r", mixed_precision)
     AcceleratorState._reset_state()
     return Accelerator(**kwargs)

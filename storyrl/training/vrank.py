@@ -39,7 +39,6 @@ is a Vrank directory: ``create_reward("vrank", model="<output_dir>/best")``.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import random
@@ -283,9 +282,6 @@ def train_vrank(
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / "config.yaml")  # as given (fp16 stays fp16 for a GPU rerun)
-    if config.mixed_precision == "fp16" and not torch.cuda.is_available():
-        logger.warning("mixed_precision fp16 needs CUDA; training in fp32")
-        config = dataclasses.replace(config, mixed_precision="no")
 
     result = fit(
         model,
