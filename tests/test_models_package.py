@@ -75,3 +75,17 @@ def test_coherence_reward_default_base_is_the_models():
     from storyrl.rewards.coherence import Coherence
 
     assert Coherence().config()["base_model"] == DEFAULT_BASE
+
+
+def test_resolve_dtype_follows_resolve_precision():
+    import torch
+
+    from storyrl.models.runtime import resolve_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("fp32", cuda) is torch.float32 and resolve_dtype("fp16", cpu) is torch.float16
+    assert resolve_dtype("bf16", cpu) is torch.bfloat16
+    # auto: fp16 on CUDA, fp32 elsewhere (no CUDA device is needed to ask).
+    assert resolve_dtype("auto", cuda) is torch.float16 and resolve_dtype("auto", cpu) is torch.float32
+    with pytest.raises(ValueError, match="precision"):
+        resolve_dtype("fp8", cpu)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from storyrl.models.caches import LruDict
-from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
+from storyrl.models.runtime import resolve_device, resolve_dtype, resolve_precision, shared_model
 
 DEFAULT_LABELS = ("Meta", "Visible", "Subjective", "Story")
 DEFAULT_IMAGE_MODEL = "resnetv2_50.a1h_in1k"
@@ -53,7 +53,6 @@ EMBED = 512
 IMAGE_LIBRARIES = ("timm", "open_clip")
 _CONFIG_FILE = "storyrl_cosmic.json"
 _WEIGHTS_FILE = "model.safetensors"
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -95,7 +94,7 @@ class CosmicEncoders:
                  max_cached: int = 200_000) -> None:
         self.spec = spec
         self.device = resolve_device(device)
-        self.dtype = _DTYPES[resolve_precision(precision, self.device)]
+        self.dtype = resolve_dtype(precision, self.device)
         self.batch_size = batch_size
         self._load_image_tower()
         self._load_text_encoder()

@@ -4,7 +4,7 @@ model-based rewards.
 Models load once per process (:func:`shared_model`): every reward asking for
 the same model gets the same instance, and with it the same in-memory
 embedding caches. :func:`release_models` forgets them all. Light to import:
-torch is imported only by :func:`resolve_device`.
+torch is imported only by :func:`resolve_device` and :func:`resolve_dtype`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def resolve_precision(precision: str, device) -> str:
     if precision == "auto":
         return "fp16" if getattr(device, "type", str(device)) == "cuda" else "fp32"
     return precision
+
+
+def resolve_dtype(precision: str, device):
+    """The torch dtype of :func:`resolve_precision`'s answer."""
+    import torch
+
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[resolve_precision(precision, device)]
 
 
 _SHARED: dict[Hashable, Any] = {}

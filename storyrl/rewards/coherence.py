@@ -72,10 +72,8 @@ class Coherence(Reward):
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
-        import torch
-
         from storyrl.models.coherence import load_coherence_model
-        from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
+        from storyrl.models.runtime import resolve_device, resolve_dtype, shared_model
 
         if self.model is None:
             raise ValueError(
@@ -83,9 +81,7 @@ class Coherence(Reward):
                 "(storyrl train coherence) or the authors' checkpoint with trust_checkpoint=True"
             )
         device = resolve_device(self.device)
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-            resolve_precision(self.precision, device)
-        ]
+        dtype = resolve_dtype(self.precision, device)
 
         def load():
             net, tokenizer = load_coherence_model(self.model, self.base_model, self.trust_checkpoint)

@@ -65,17 +65,13 @@ class Vrank(Reward):
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
-        import torch
-
-        from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
+        from storyrl.models.runtime import resolve_device, resolve_dtype, shared_model
         from storyrl.models.vrank import load_vrank_model
 
         if self.model is None:
             raise ValueError("vrank needs a trained model: model=<storyrl Vrank directory> (storyrl train vrank)")
         device = resolve_device(self.device)
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-            resolve_precision(self.precision, device)
-        ]
+        dtype = resolve_dtype(self.precision, device)
 
         def load():
             net, tokenizer = load_vrank_model(self.model, self.tokenizer)

@@ -88,16 +88,14 @@ class TapmGenerator(Generator):
         if getattr(self, "_model", None) is not None:
             return
         import storyrl  # noqa: F401  (torchvision fallback before transformers)
-        import torch
         from transformers import AutoTokenizer
 
         from storyrl.generators.tapm.features import FeatureExtractor, FeatureStore
         from storyrl.generators.tapm.model import TapmModel
-        from storyrl.models.runtime import resolve_device, resolve_precision
+        from storyrl.models.runtime import resolve_device, resolve_dtype
 
         device = resolve_device(self.args.device)
-        precision = resolve_precision(self.args.precision, device)
-        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+        dtype = resolve_dtype(self.args.precision, device)
         model = TapmModel.from_pretrained(self.args.model, dtype=dtype)
         if model.config.quantization is None:
             model.to(device)
