@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import re
 import types
@@ -351,6 +352,8 @@ def _plain(value: Any) -> Any:
 def _bound_problem(info: OptionInfo, value: Any) -> str | None:
     if value is None:
         return None
+    if isinstance(value, float) and math.isnan(value) and (info.min is not None or info.max is not None):
+        return f"{info.name} must be a number, got nan"
     if info.choices is not None and value not in info.choices:
         return f"{info.name} must be one of {', '.join(map(str, info.choices))}, got {value!r}"
     if info.min is not None and value < info.min:

@@ -52,13 +52,15 @@ def _train_command(name: str, description: str) -> click.Command:
 
         return config_options(TRAINERS.get(name).config_class, own)
 
-    def command(config_path, resume, quiet, **values) -> None:
+    def command(config_path, resume, overwrite, quiet, **values) -> None:
         from storyrl.training import TRAINERS
 
+        if resume and overwrite:
+            _fail("--resume and --overwrite exclude each other", 2)
         trainer = TRAINERS.get(name)
         try:
             config = trainer.config_class.from_yaml(config_path, **given(values))
-            result = trainer.train(config, resume=resume, progress=not quiet)
+            result = trainer.train(config, resume=resume, progress=not quiet, overwrite=overwrite)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
         summary = getattr(result, "summary", None)  # trainers without epochs (rl) say what they did
@@ -79,6 +81,9 @@ def _train_command(name: str, description: str) -> click.Command:
         click.Option(["--config", "config_path"], required=True, type=_FILE,
                      help=f"Training config YAML ({config_file.format(name=name)})."),
         click.Option(["--resume"], is_flag=True, help=resume_help),
+        click.Option(["--overwrite"], is_flag=True,
+                     help="Replace an earlier run in OUTPUT_DIR (its files are removed first); without it a run "
+                          "refuses a directory that holds files."),
         click.Option(["--quiet", "-q"], is_flag=True, help="No progress bars."),
     ]
     return GeneratedOptionsCommand(name, params=params, callback=command, help=help_text,

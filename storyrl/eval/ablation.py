@@ -58,6 +58,7 @@ from storyrl.datasets import load_some_records
 from storyrl.eval.ablation_config import HUMAN, AblationConfig, AblationEval, _base_train, _metric, _rl_config
 from storyrl.eval.ablation_report import AblationResult, VariantResult, write_ablation_report
 from storyrl.generators.base import Generations, Generator, GeneratorConfig
+from storyrl.training.runs import lock_directory
 
 __all__ = ["AblationConfig", "AblationEval", "AblationResult", "PolicyGenerator", "Variant", "VariantResult",
            "plan_variants", "run_ablation"]
@@ -338,10 +339,8 @@ def _score(metrics: list, records: list[StoryRecord], path: Path, rescore: bool,
 def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[str] | None = None,
                  overwrite: bool = False) -> AblationResult:
     """Run the ablation (module docs): the ``only`` variants (default all);
-    the table also holds the other variants that finished earlier."""
-    from storyrl.data import read_scores
-    from storyrl.eval.dhm import DHM_DIMENSIONS, dhm
-
+    the table also holds the other variants that finished earlier. The
+    output directory is locked for the whole run."""
     source = getattr(config, "source", None) or "ablation config"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # every process would train, generate and score each variant into the same files
@@ -355,15 +354,26 @@ def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[s
     chosen = set(only or names)
     ev = config.eval
     records = load_some_records(ev.data, ev.data_format, ev.max_stories)
-    ids = [r.story_id for r in records]
     try:
         metrics = [_metric(spec, ev.image_root) for spec in ev.metrics]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{source}: eval.metrics: {exc}") from None
+    out = Path(config.output_dir)
+    with lock_directory(out):  # one ablation per directory: a second one fails at once
+        return _run_locked(config, variants, chosen, records, metrics, progress, overwrite)
+
+
+def _run_locked(config: AblationConfig, variants: list[Variant], chosen: set[str], records: list[StoryRecord],
+                metrics: list, progress: bool, overwrite: bool) -> AblationResult:
+    from storyrl.data import read_scores
+    from storyrl.eval.dhm import DHM_DIMENSIONS, dhm
+
+    source = getattr(config, "source", None) or "ablation config"
+    ev = config.eval
+    ids = [r.story_id for r in records]
     metric_names = [m.name for m in metrics]
     dims = ev.dims()
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rescore = _check_metrics(out, metrics, overwrite)
 
     # Every chosen variant is checked before any work, so a changed one fails the run at once.

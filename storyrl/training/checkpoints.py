@@ -31,6 +31,7 @@ __all__ = [
     "rng_state",
     "save_best",
     "save_checkpoint",
+    "scheduler_state",
     "set_rng_state",
     "swap_in",
     "write_history",
@@ -123,6 +124,22 @@ def load_checkpoint(accelerator, checkpoint: Path, config: TrainConfig) -> dict[
     if changed:
         logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
     return state
+
+
+def scheduler_state(checkpoint: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The learning-rate schedule's state of a checkpoint: from its
+    ``trainer_state.json``; a checkpoint from before storyrl kept it there has
+    it in accelerate's ``custom_checkpoint_0.pkl``, read with
+    ``weights_only=True`` (a state dict of numbers needs no code to load)."""
+    if "scheduler" in state:
+        return state["scheduler"]
+    legacy = checkpoint / "custom_checkpoint_0.pkl"
+    try:
+        return torch.load(legacy, map_location="cpu", weights_only=True)
+    except Exception as exc:  # missing, or a pickle that wants to run code
+        raise ValueError(f"{checkpoint}: no learning-rate schedule state in {TRAINER_STATE} and "
+                         f"{legacy.name} cannot be read safely ({type(exc).__name__}); start the run again "
+                         "(--overwrite)") from None
 
 
 def write_history(path: Path, history: list[dict]) -> None:

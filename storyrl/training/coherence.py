@@ -30,6 +30,7 @@ from storyrl.rewards.coherence import MODES
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
+from storyrl.training.runs import guarded, process_state
 
 __all__ = [
     "CoherenceTrainConfig",
@@ -201,6 +202,7 @@ def _build_model(config: CoherenceTrainConfig, model, tokenizer):
     return model, tokenizer
 
 
+@guarded
 def train_coherence(
     config: CoherenceTrainConfig,
     resume: bool = False,
@@ -216,7 +218,6 @@ def train_coherence(
     ``CoherenceModel.from_base(base_model)`` and the tokenizer from
     ``init_from``'s directory or ``AutoTokenizer(tokenizer or base_model)``.
     """
-    from accelerate import PartialState
     from accelerate.utils import set_seed
 
     texts = load_story_texts(config.stories)
@@ -239,7 +240,7 @@ def train_coherence(
     set_seed(config.seed)  # the new head's initialisation
     model, tokenizer = _build_model(config, model, tokenizer)
 
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         output_dir = Path(config.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / "config.yaml")

@@ -49,6 +49,7 @@ from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
+from storyrl.training.runs import guarded, process_state
 
 __all__ = ["CosmicTrainConfig", "TRAINER", "build_examples", "cosmic_step", "train_cosmic"]
 
@@ -189,10 +190,10 @@ def _embed_images(encoders, paths: list[str], skipped: Counter) -> dict[str, np.
         return out
 
 
+@guarded
 def train_cosmic(config: CosmicTrainConfig, resume: bool = False, progress: bool = True) -> FitResult:
     """Train the COSMiC head; the best epoch's model lands in
     ``config.output_dir/best`` (``create_reward("cosmic", model=...)``)."""
-    from accelerate import PartialState
     from accelerate.utils import set_seed
 
     from storyrl.judgements.raccoon import load_raccoon
@@ -255,7 +256,7 @@ def train_cosmic(config: CosmicTrainConfig, resume: bool = False, progress: bool
     head = CosmicHead(HeadConfig(image_dim=image_dim, text_dim=encoders.text_dim, labels=tuple(config.labels),
                                  use_image=config.use_image, use_labels=config.use_labels,
                                  encoders=config.encoder_spec()))
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         output_dir = Path(config.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / "config.yaml")

@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import math
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from storyrl.training.checkpoints import (
     load_checkpoint,
     restore_best,
     rng_state,
+    scheduler_state,
     save_best,
     save_checkpoint,
     set_rng_state,
@@ -239,10 +241,12 @@ def fit(
     if resume:
         checkpoint = find_checkpoint(output_dir)
         if checkpoint is None:
-            raise FileNotFoundError(
-                f"resume=True but there is no checkpoint to resume from in {output_dir} "
-                f"(expected {output_dir / 'last' / TRAINER_STATE})"
-            )
+            # Killed before its first checkpoint: nothing to continue (as train rl does).
+            logger.warning("resume: no checkpoint in %s (expected %s); starting from the beginning", output_dir,
+                           output_dir / "last" / TRAINER_STATE)
+            if main:  # what the killed run left before it: a best/ of an epoch that starts again
+                for stale in ("best", "best.old", "best.tmp", "last.tmp", "last.old"):
+                    shutil.rmtree(output_dir / stale, ignore_errors=True)
     elif main and (output_dir / "last").exists():
         logger.warning("%s already holds a checkpoint; starting afresh and overwriting it", output_dir)
     if main:
@@ -275,8 +279,9 @@ def fit(
     # Not passed to prepare(): accelerate's scheduler wrapper steps once per
     # process per call (meant for per-step schedules); this one is per epoch.
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=config.lr_decay)
+    # The schedule's state is saved in trainer_state.json (JSON), not as
+    # accelerate's custom_checkpoint_*.pkl, which resume would unpickle.
     model, optimizer, train_loader = accelerator.prepare(model, optimizer, train_loader)
-    accelerator.register_for_checkpointing(scheduler)
 
     history: list[dict] = []
     epoch_done = 0
@@ -294,6 +299,7 @@ def fit(
     resume_rng: dict[str, Any] | None = None
     if checkpoint is not None:
         state = load_checkpoint(accelerator, checkpoint, config)
+        scheduler.load_state_dict(scheduler_state(checkpoint, state))
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
         # Older checkpoints, and val_loss runs, keep only best_val_loss.
@@ -448,6 +454,7 @@ def fit(
                 "best_metric": sign * best_val if math.isfinite(best_val) else None,
                 "best_epoch": best_epoch,
                 "bad_epochs": bad_epochs,
+                "scheduler": scheduler.state_dict(),
                 "stopped_early": stopped_early,
                 "history": history,
                 "config": config.to_dict(),

@@ -50,6 +50,7 @@ from storyrl.models.rovist_vg import DEFAULT_VIT, RovistVGModel
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
+from storyrl.training.runs import guarded
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -257,6 +258,7 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+@guarded
 def train_rovist_vg(
     config: RovistVGTrainConfig, resume: bool = False, progress: bool = True, model: RovistVGModel | None = None
 ):

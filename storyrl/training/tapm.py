@@ -33,6 +33,7 @@ from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
+from storyrl.training.runs import guarded, process_state
 
 __all__ = ["TapmTrainConfig", "train_tapm"]
 
@@ -212,12 +213,12 @@ def _build(config: TapmTrainConfig, store, model, tokenizer):
     return model, tokenizer
 
 
+@guarded
 def train_tapm(config: TapmTrainConfig, resume: bool = False, progress: bool = True, model=None,
                tokenizer=None) -> FitResult:
     """Run both stages (see the module docs); returns the downstream stage's
     :class:`FitResult`. ``model``/``tokenizer`` replace the ones the config
     names (tests inject tiny ones)."""
-    from accelerate import PartialState
 
     from storyrl.generators.tapm.data import load_examples
     from storyrl.generators.tapm.features import FeatureStore
@@ -241,7 +242,7 @@ def train_tapm(config: TapmTrainConfig, resume: bool = False, progress: bool = T
                        cfg.pad_token_id, config.max_length)
     output_dir = Path(config.output_dir)
     adapt_dir = output_dir / "adaptation"
-    if PartialState().is_main_process:
+    if process_state().is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
         config.to_yaml(output_dir / "config.yaml")
 
@@ -256,7 +257,7 @@ def train_tapm(config: TapmTrainConfig, resume: bool = False, progress: bool = T
             if config.max_steps is not None and result.epochs_run < config.adaptation_epochs:
                 logger.info("max_steps reached in the adaptation stage; --resume continues it")
                 return result
-            if PartialState().is_main_process:
+            if process_state().is_main_process:
                 (adapt_dir / ADAPTATION_DONE).write_text(json.dumps({"best_epoch": result.best_epoch}) + "\n")
         if (adapt_dir / "best").is_dir():
             _load_weights(model, adapt_dir / "best")  # stage 2 starts from the best adapted encoder

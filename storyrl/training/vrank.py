@@ -54,6 +54,7 @@ from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
+from storyrl.training.runs import guarded, process_state
 
 __all__ = [
     "VrankExample",
@@ -254,6 +255,7 @@ def _evaluate(model, examples: list[VrankExample], tokenizer, config: VrankTrain
     return {"n": len(examples), "loss": loss_sum / len(examples), "acc": correct / len(examples)}
 
 
+@guarded
 def train_vrank(
     config: VrankTrainConfig,
     resume: bool = False,
@@ -264,7 +266,6 @@ def train_vrank(
     """Train (or continue training) Vrank; the best epoch's model is saved to
     ``config.output_dir/best`` as a Vrank directory. ``model``/``tokenizer``
     replace the ones the config names (tests inject tiny ones)."""
-    from accelerate import PartialState
     from accelerate.utils import set_seed
 
     train_pairs, val_pairs, test_pairs = _load_data(config)
@@ -277,7 +278,7 @@ def train_vrank(
     if tokenizer.sep_token_id is None:
         raise ValueError("the Vrank tokenizer needs a separator token (a BERT-style pair encoding)")
 
-    main = PartialState().is_main_process
+    main = process_state().is_main_process
     output_dir = Path(config.output_dir)
     if main:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,9 @@ class RLConfig(Config):
             value = getattr(self, name)
             if value is None and name != self.algorithm:
                 continue
+            if name != self.algorithm:  # it would be ignored without a word
+                raise ValueError(f"{label}: {name}: options for algorithm {name}, but the run's algorithm is "
+                                 f"{self.algorithm}; remove the {name} section or set algorithm: {name}")
             setattr(self, name, self._nested(name, cls, value))
         super().__post_init__()
 
@@ -154,6 +158,8 @@ class RLConfig(Config):
         else:
             raise TypeError(f"{label}: key {name!r}: expected a mapping of {cls.__name__} keys, "
                             f"got {type(value).__name__}")
+        if not issubclass(cls, Config):
+            _check_trl_types(cls, given, f"{label}: {name}")
         owned = [k for k in FLOWED_KEYS if k in given]
         if owned:
             raise ValueError(f"{label}: {name}: set {', '.join(owned)} at the top level (it applies to the whole "
@@ -206,6 +212,10 @@ class RLConfig(Config):
                      for n in sorted({n for n in names if names.count(n) > 1})]
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             problems.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards")
+        if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
+            problems.append(f"reward_weights: every weight must be a finite number, got {self.reward_weights}")
+        elif self.reward_weights is not None and not any(self.reward_weights):
+            problems.append("reward_weights: every weight is 0; nothing would be optimised")
         trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
                      if t not in TRACKERS]
@@ -277,6 +287,38 @@ class RLConfig(Config):
             else:
                 out[info.name] = _plain(value)
         return out
+
+
+def _documented_types(cls: type, name: str) -> set[str]:
+    """The type names a TRL/transformers config's docstring gives for ``name``
+    (``scale_rewards (`str` or `bool`, ...)``): values the framework takes
+    although its annotation is narrower."""
+    import re
+
+    for klass in cls.__mro__:
+        match = re.search(rf"^\s*{re.escape(name)} \(([^)]*)\)", klass.__doc__ or "", re.M)
+        if match:
+            return set(re.findall(r"`([A-Za-z_]+)`", match.group(1)))
+    return set()
+
+
+def _check_trl_types(cls: type, given: Mapping[str, Any], label: str) -> None:
+    """Each given key of a TRL config has its field's type, as storyrl's own
+    options do (TrainingArguments would turn "1e-3" into a float): checked,
+    never converted; NaN is refused for numbers."""
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for key, value in given.items():
+        if key not in hints:
+            continue  # unknown keys: the constructor names them
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"{label}: key {key!r}: expected a number, got nan")
+        try:
+            check_type(value, hints[key])
+        except TypeError as exc:
+            if type(value).__name__ not in _documented_types(cls, key):
+                raise ValueError(f"{label}: key {key!r}: {exc}") from None
 
 
 def _infos(cls: type):

@@ -23,6 +23,7 @@ from typing import Any
 
 from storyrl.training import Trainer
 from storyrl.training.rl.config import RLConfig
+from storyrl.training.runs import guarded, is_main_process
 
 __all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "train"]
 
@@ -54,9 +55,9 @@ class RLResult:
 
 
 def _save_config(config: RLConfig, resume: bool) -> None:
-    from accelerate import PartialState
-
-    if not PartialState().is_main_process:
+    # Rank from the launcher, not accelerate: state created here would fix
+    # the process count before the trainer's own accelerator (runs.process_state).
+    if not is_main_process():
         return
     path = Path(config.output_dir) / CONFIG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,9 +73,12 @@ def _save_config(config: RLConfig, resume: bool) -> None:
     config.to_yaml(path)
 
 
+@guarded
 def train(config: RLConfig, resume: bool = False, progress: bool = True, callbacks: list | None = None) -> RLResult:
     """Run the RL fine-tuning of ``config`` (module docs). ``callbacks`` are
-    extra transformers ``TrainerCallback`` objects for the TRL trainers."""
+    extra transformers ``TrainerCallback`` objects for the TRL trainers;
+    ``overwrite=True`` (keyword) replaces an earlier run in ``output_dir``
+    (:func:`storyrl.training.runs.run_directory`)."""
     import storyrl  # noqa: F401  (torchvision fallback before transformers)
 
     from transformers.utils import logging as hf_logging

@@ -42,7 +42,8 @@ from transformers import TrainerCallback
 
 from storyrl.training.rl.monitor import sample_stories, story_stats
 
-__all__ = ["HISTORY", "SAMPLES", "HistoryCallback", "MonitoredReward", "StoryMonitor", "train_trl"]
+__all__ = ["HISTORY", "SAMPLES", "HistoryCallback", "MonitoredReward", "ScorableCheck", "StoryMonitor",
+           "latest_complete_checkpoint", "load_full_weights", "train_trl"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +172,13 @@ def _line(entry: dict) -> str:
 def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = False, progress: bool = True,
               callbacks: Sequence[Any] | None = None) -> Any:
     """Run TRL's GRPOTrainer or RLOOTrainer for ``config.algorithm``; returns
-    the trainer after saving ``final/``."""
-    from transformers.trainer_utils import get_last_checkpoint
+    the trainer after saving ``final/``. A run that trained no step, or
+    whose rewards scored no story at its first logged steps, fails
+    (:class:`~storyrl.training.runs.RunFailedError`) without ``final/``."""
     from trl import GRPOTrainer, RLOOTrainer
 
     from storyrl.training.rl.policy import lora_config
+    from storyrl.training.runs import RunFailedError
 
     if policy.kind == "tapm":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
@@ -185,31 +188,102 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     output_dir = Path(config.output_dir)
     checkpoint = None
     if resume:
-        checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+        checkpoint = latest_complete_checkpoint(output_dir)
         if checkpoint is None:
-            logger.warning("resume: no checkpoint-<step>/ in %s; starting from the beginning", output_dir)
+            logger.warning("resume: no complete checkpoint-<step>/ in %s; starting from the beginning", output_dir)
     weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(rewards)
     is_main = args.process_index == 0
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
-    if not resume and is_main and (output_dir / SAMPLES).exists():
+    if checkpoint is None and is_main and (output_dir / SAMPLES).exists():
         (output_dir / SAMPLES).unlink()  # a fresh run's samples only
+    wrapped = monitor.wrap(rewards)
+    scorable = ScorableCheck([w.__name__ for w in wrapped], weights)
     trainer_class = _resumable(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer)
     trainer = trainer_class(
         model=policy.model,
-        reward_funcs=monitor.wrap(rewards),
+        reward_funcs=wrapped,
         args=args,
         train_dataset=dataset,
         processing_class=policy.processing_class,
         peft_config=lora_config(config, policy.kind),
-        callbacks=[HistoryCallback(output_dir), *(callbacks or [])],
+        callbacks=[HistoryCallback(output_dir), scorable, *(callbacks or [])],
     )
     if not progress:
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
-    trainer.train(resume_from_checkpoint=checkpoint)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    if scorable.failure is not None:
+        raise RunFailedError(scorable.failure)
+    if trainer.state.global_step == 0:
+        raise RunFailedError(
+            f"{config.algorithm}: trained 0 steps: {len(dataset)} prompts do not fill one optimisation step "
+            f"({args.world_size} process(es) x per_device_train_batch_size {args.per_device_train_batch_size} x "
+            f"gradient_accumulation_steps {args.gradient_accumulation_steps} completions, "
+            f"{args.num_generations} per prompt); use more prompts or smaller batches")
     save_final(config, trainer, output_dir / "final")
     return trainer
+
+
+class ScorableCheck(TrainerCallback):
+    """Stops a run whose rewards score no story: at a logged step where every
+    reward with a non-zero weight has no value (TRL logs a NaN mean), before
+    any step scored a story, training stops and :attr:`failure` says why.
+    TRL logs the means gathered over processes, so every process agrees."""
+
+    def __init__(self, names: Sequence[str], weights: Sequence[float]) -> None:
+        self.names = [n for n, w in zip(names, weights) if w != 0]
+        self.failure: str | None = None
+        self.scored = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.scored = any(self._scored(entry) for entry in state.log_history)  # a resumed run's earlier steps
+
+    def _scored(self, logs: dict) -> bool:
+        means = [logs.get(f"rewards/{name}/mean") for name in self.names]
+        return any(isinstance(m, (int, float)) and math.isfinite(m) for m in means)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or not any(f"rewards/{name}/mean" in logs for name in self.names):
+            return
+        if self._scored(logs):
+            self.scored = True
+        elif not self.scored:
+            self.failure = (f"step {state.global_step}: no story was scorable: {', '.join(self.names)} returned "
+                            "None/NaN for every completion (nothing to learn from); check what the rewards need "
+                            "(references, images, models) in samples.jsonl and history.jsonl")
+            control.should_training_stop = True
+        else:
+            logger.warning("step %d: no story was scorable by %s", state.global_step, ", ".join(self.names))
+
+
+def latest_complete_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest ``checkpoint-<step>/`` that TRL finished writing (its
+    ``trainer_state.json``, written last, reads back); a newer incomplete
+    one (a kill while it was written) is removed with a warning."""
+    import shutil
+
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    found = []
+    for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        suffix = path.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        if path.is_dir() and suffix.isdigit():
+            found.append((int(suffix), path))
+    for step, path in sorted(found, reverse=True):
+        try:
+            state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+            complete = state.get("global_step") == step
+        except (OSError, ValueError, AttributeError):
+            complete = False
+        if complete:
+            return path
+        logger.warning("resume: %s is incomplete (interrupted while it was written); removed", path)
+        shutil.rmtree(path, ignore_errors=True)
+    return None
 
 
 def _resumable(trainer_class: type) -> type:
@@ -241,8 +315,40 @@ def _resumable(trainer_class: type) -> type:
                 return sampler
             return EpochSeededSampler(sampler, lambda: int(math.floor((self.state.epoch or 0) + 1e-9)))
 
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+            if not load_full_weights(self.accelerator.unwrap_model(self.model if model is None else model),
+                                     Path(resume_from_checkpoint)):
+                super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     Resumable.__name__ = Resumable.__qualname__ = trainer_class.__name__
     return Resumable
+
+
+def load_full_weights(model, checkpoint: Path) -> bool:
+    """Load a full-weight checkpoint into ``model`` the way ``from_pretrained``
+    reads it; False (nothing done) for adapters or a checkpoint without full
+    weights.
+
+    transformers saves some models (LLaVA-NeXT among them) with the hub's key
+    names and maps them back only in ``from_pretrained``; the Trainer's resume
+    loads the file's keys as they are, so every weight came up "missing" and
+    the run went on from the initial weights. Every key must match here."""
+    from transformers import PreTrainedModel
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+
+    if not isinstance(model, PreTrainedModel) or not any(
+            (checkpoint / name).is_file() for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME,
+                                                       WEIGHTS_INDEX_NAME)):
+        return False
+    dtype = next(model.parameters()).dtype
+    saved = type(model).from_pretrained(checkpoint, dtype=dtype)
+    result = model.load_state_dict(saved.state_dict(), strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        problems = result.missing_keys[:3] or result.unexpected_keys[:3]
+        raise ValueError(f"{checkpoint}: its weights do not fit the policy ({', '.join(problems)} ...); it was "
+                         "written by another model")
+    logger.info("resume: policy weights loaded from %s", checkpoint)
+    return True
 
 
 def save_final(config, trainer, final: Path) -> None:
