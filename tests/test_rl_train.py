@@ -382,7 +382,8 @@ def test_run_level_keys_flow_into_the_algorithm_and_only_given_keys_are_saved(as
     ({"grpo": {"output_dir": "x", "reward_weights": [1, 1]}}, r"grpo: set output_dir, reward_weights at the top"),
     ({"grpo": {"no_such_key": 1}}, r"grpo: unknown key 'no_such_key'"),
     ({"grpo": {"num_generations": 3}}, r"grpo: generation_batch_size \(8\) must be divisible by num_generations \(3\)"),
-    ({"ppo": {"kl_estimator": "k9"}}, r"ppo: .*kl_estimator must be one of k1, k3"),
+    ({"algorithm": "ppo", "grpo": None, "ppo": {"kl_estimator": "k9"}}, r"ppo: .*kl_estimator must be one of k1, k3"),
+    ({"ppo": {"kl_estimator": "k1"}}, r"ppo: options for algorithm ppo, but the run's algorithm is grpo"),
     ({"rewards": ["nope"]}, r"rewards\[0\]: unknown reward 'nope'"),
     ({"rewards": [{"reward": "repetition", "chunk_size": 0}]}, r"rewards\[0\]: .*chunk_size"),
     ({"rewards": ["repetition", {"reward": "repetition"}]}, r"two rewards named 'repetition'"),
@@ -537,7 +538,8 @@ def test_two_processes_under_torch_launcher(assets, tmp_path):
     import subprocess
     import sys
 
-    config = {**options(assets, tmp_path / "out", lora=True), "rewards": ["repetition"], "reward_weights": None}
+    # rouge_l against the record's story scores any text (a run that scores no story fails)
+    config = {**options(assets, tmp_path / "out", lora=True), "rewards": ["rouge_l"], "reward_weights": None}
     config["grpo"]["per_device_train_batch_size"] = 2  # 2 processes x 2 completions = one group per process
     path = write_yaml(tmp_path / "rl.yaml", config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

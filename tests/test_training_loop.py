@@ -349,10 +349,20 @@ def test_mixed_precision_fp16_without_cuda_trains_in_fp32_and_says_so(tmp_path, 
     assert "fp16 needs CUDA; training in fp32" in caplog.text
 
 
-def test_resume_without_checkpoint(tmp_path):
-    cfg = config(tmp_path)
-    with pytest.raises(FileNotFoundError, match=str(tmp_path / "run")):
-        fit(make_model(), blobs(16, 1), blobs(8, 2), cfg, classify_step, resume=True, progress=False)
+def test_resume_without_checkpoint_starts_afresh_and_says_so(tmp_path, caplog):
+    """A run killed before its first checkpoint may have left best/ (saved
+    before the checkpoint): --resume starts the run from the beginning,
+    drops that best/, and trains as a fresh run does."""
+    fresh = fit(make_model(), blobs(16, 1), blobs(8, 2), config(tmp_path / "a"), classify_step, progress=False)
+    cfg = config(tmp_path / "b")
+    stale = Path(cfg.output_dir) / "best"
+    stale.mkdir(parents=True)
+    (stale / "model.pt").write_text("from the killed run")
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.loop"):
+        resumed = fit(make_model(), blobs(16, 1), blobs(8, 2), cfg, classify_step, resume=True, progress=False)
+    assert "no checkpoint" in caplog.text and "starting from the beginning" in caplog.text
+    assert [h["val_loss"] for h in resumed.history] == [h["val_loss"] for h in fresh.history]
+    assert (stale / "model.pt").read_bytes() != b"from the killed run"
 
 
 def test_empty_validation_set(tmp_path):

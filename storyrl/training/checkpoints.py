@@ -114,8 +114,9 @@ def load_checkpoint(accelerator, checkpoint: Path, config: TrainConfig) -> dict[
     """Restore accelerate's state from ``checkpoint`` and return the loop's
     own (``trainer_state.json``), warning about settings that differ from the
     checkpoint's other than those a resume may change."""
-    accelerator.load_state(str(checkpoint))
     state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
+    state["scheduler"] = scheduler_state(accelerator, checkpoint, state)
+    accelerator.load_state(str(checkpoint))
     changed = sorted(
         k
         for k, v in state.get("config", {}).items()
@@ -126,20 +127,35 @@ def load_checkpoint(accelerator, checkpoint: Path, config: TrainConfig) -> dict[
     return state
 
 
-def scheduler_state(checkpoint: Path, state: dict[str, Any]) -> dict[str, Any]:
-    """The learning-rate schedule's state of a checkpoint: from its
-    ``trainer_state.json``; a checkpoint from before storyrl kept it there has
-    it in accelerate's ``custom_checkpoint_0.pkl``, read with
-    ``weights_only=True`` (a state dict of numbers needs no code to load)."""
+def scheduler_state(accelerator, checkpoint: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The learning-rate schedule's state of a checkpoint, before
+    ``accelerator.load_state`` (every process calls it).
+
+    storyrl keeps it in ``trainer_state.json``; a ``custom_checkpoint_*.pkl``
+    there (accelerate would unpickle it, running any code it holds) was not
+    written by storyrl and is refused. A checkpoint from before storyrl kept
+    the schedule in ``custom_checkpoint_0.pkl``: read with
+    ``weights_only=True`` (a state dict of numbers needs no code), then moved
+    aside to ``.legacy`` so that accelerate, which loads every such file it
+    finds, does not."""
+    files = sorted(checkpoint.glob("custom_checkpoint_*.pkl"))
     if "scheduler" in state:
+        if files:
+            raise ValueError(f"{files[0]}: not a file storyrl writes (the schedule is in {TRAINER_STATE}); it is "
+                             "never loaded: remove it to resume")
         return state["scheduler"]
     legacy = checkpoint / "custom_checkpoint_0.pkl"
+    aside = legacy.with_name(legacy.name + ".legacy")
     try:
-        return torch.load(legacy, map_location="cpu", weights_only=True)
+        schedule = torch.load(legacy if legacy.exists() else aside, map_location="cpu", weights_only=True)
     except Exception as exc:  # missing, or a pickle that wants to run code
-        raise ValueError(f"{checkpoint}: no learning-rate schedule state in {TRAINER_STATE} and "
-                         f"{legacy.name} cannot be read safely ({type(exc).__name__}); start the run again "
-                         "(--overwrite)") from None
+        raise ValueError(f"{checkpoint}: no learning-rate schedule in {TRAINER_STATE} and {legacy.name} cannot be "
+                         f"read safely ({type(exc).__name__}); start the run again (--overwrite)") from None
+    accelerator.wait_for_everyone()  # every process has read it before it moves
+    if accelerator.is_main_process and legacy.exists():
+        os.replace(legacy, aside)
+    accelerator.wait_for_everyone()
+    return schedule
 
 
 def write_history(path: Path, history: list[dict]) -> None:

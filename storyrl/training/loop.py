@@ -47,7 +47,6 @@ from storyrl.training.checkpoints import (
     load_checkpoint,
     restore_best,
     rng_state,
-    scheduler_state,
     save_best,
     save_checkpoint,
     set_rng_state,
@@ -299,7 +298,7 @@ def fit(
     resume_rng: dict[str, Any] | None = None
     if checkpoint is not None:
         state = load_checkpoint(accelerator, checkpoint, config)
-        scheduler.load_state_dict(scheduler_state(checkpoint, state))
+        scheduler.load_state_dict(state["scheduler"])
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
         # Older checkpoints, and val_loss runs, keep only best_val_loss.

@@ -139,7 +139,7 @@ class RLConfig(Config):
             value = getattr(self, name)
             if value is None and name != self.algorithm:
                 continue
-            if name != self.algorithm:  # it would be ignored without a word
+            if name != self.algorithm and self.algorithm in ALGORITHMS:  # it would be ignored without a word
                 raise ValueError(f"{label}: {name}: options for algorithm {name}, but the run's algorithm is "
                                  f"{self.algorithm}; remove the {name} section or set algorithm: {name}")
             setattr(self, name, self._nested(name, cls, value))

@@ -1,7 +1,7 @@
 """PPO checkpoints: ``<output_dir>/checkpoint-<step>/`` holds accelerate's
 state (policy and critic, optimizer, learning-rate schedule, every process's
 RNG) and ``trainer_state.json`` (step, KL coefficient, running score
-moments, history, config). Each is written aside (``.tmp``) and renamed
+moments, learning-rate schedule, history, config). Each is written aside (``.tmp``) and renamed
 when complete, so a crash never leaves a half-written one; resume takes the
 newest complete one."""
 
@@ -13,6 +13,8 @@ import os
 import shutil
 from pathlib import Path
 from typing import Any
+
+from storyrl.training.checkpoints import scheduler_state
 
 __all__ = ["TRAINER_STATE", "find_latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
@@ -63,8 +65,9 @@ def load_checkpoint(accelerator, checkpoint: Path, config: dict[str, Any]) -> di
     """Restore accelerate's state and return ``trainer_state.json``, warning
     about settings that differ from the checkpoint's (other than those a
     resume may change)."""
-    accelerator.load_state(str(checkpoint))
     state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
+    state["scheduler"] = scheduler_state(accelerator, checkpoint, state)  # never unpickled
+    accelerator.load_state(str(checkpoint))
     changed = sorted(k for k, v in state.get("config", {}).items()
                      if k not in RESUME_MAY_CHANGE and config.get(k, v) != v)
     if changed:

@@ -196,6 +196,9 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
     if checkpoint is None and is_main and (output_dir / SAMPLES).exists():
         (output_dir / SAMPLES).unlink()  # a fresh run's samples only
+    if len(dataset) < args.generation_batch_size // args.num_generations:
+        # TRL's sampler drops an incomplete round: the run would train nothing (or fail obscurely).
+        raise RunFailedError(_no_step(config.algorithm, args, len(dataset)))
     wrapped = monitor.wrap(rewards)
     scorable = ScorableCheck([w.__name__ for w in wrapped], weights)
     trainer_class = _resumable(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer)
@@ -216,13 +219,17 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     if scorable.failure is not None:
         raise RunFailedError(scorable.failure)
     if trainer.state.global_step == 0:
-        raise RunFailedError(
-            f"{config.algorithm}: trained 0 steps: {len(dataset)} prompts do not fill one optimisation step "
-            f"({args.world_size} process(es) x per_device_train_batch_size {args.per_device_train_batch_size} x "
-            f"gradient_accumulation_steps {args.gradient_accumulation_steps} completions, "
-            f"{args.num_generations} per prompt); use more prompts or smaller batches")
+        raise RunFailedError(_no_step(config.algorithm, args, len(dataset)))
     save_final(config, trainer, output_dir / "final")
     return trainer
+
+
+def _no_step(algorithm: str, args, prompts: int) -> str:
+    per_round = args.generation_batch_size // args.num_generations
+    return (f"{algorithm}: trained 0 steps: {prompts} prompts do not fill one generation round of {per_round} "
+            f"({args.world_size} process(es) x per_device_train_batch_size {args.per_device_train_batch_size} x "
+            f"steps_per_generation {args.steps_per_generation} completions, {args.num_generations} per prompt); "
+            "use more prompts, fewer processes or smaller batches")
 
 
 class ScorableCheck(TrainerCallback):

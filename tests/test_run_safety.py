@@ -1,0 +1,514 @@
+"""Training runs that never lose or mix results (storyrl.training.runs and
+the trainers that use it): exact resume for every algorithm x policy kind x
+full/LoRA, one run per output directory (refused without --overwrite,
+locked), resume past an incomplete checkpoint, runs that train nothing fail,
+checkpoints that need no unpickling, strict RL configs, multi-process PPO.
+
+Tiny random-weight policies built here (tests/tiny_models.py); nothing is
+downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_rl_train import REPO, assets, options, read_jsonl, write_yaml  # noqa: F401  (assets: a fixture)
+
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+from storyrl.rewards import Reward, register_reward
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+
+
+# A reward that interrupts the run (as a kill would) at its CRASH_AT-th call.
+CRASH = {"at": None, "calls": 0}
+
+
+@register_reward()
+class _CrashingWords(Reward):
+    """Test reward: a tenth of the word count; raises KeyboardInterrupt at
+    call CRASH['at'] (counted over the process)."""
+
+    name = "test_safety_words"
+
+    def _score_batch(self, stories, **context):
+        CRASH["calls"] += 1
+        if CRASH["at"] is not None and CRASH["calls"] == CRASH["at"]:
+            raise KeyboardInterrupt
+        return np.array([len(s.split()) / 10 for s in stories])
+
+
+@register_reward()
+class _Nothing(Reward):
+    """Test reward: every story unscorable."""
+
+    name = "test_safety_nothing"
+
+    def _score_batch(self, stories, **context):
+        return np.full(len(stories), np.nan)
+
+
+def crashing_run(crash_at):
+    CRASH.update(at=crash_at, calls=0)
+
+
+def final_tensors(directory):
+    from safetensors.numpy import load_file
+
+    out = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        out.update({f"{path.name}:{k}": v for k, v in load_file(path).items()})
+    assert out, f"no weights in {directory}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def tapm_dirs(tmp_path_factory):
+    """TAPM policy directories (full and LoRA), their features and records."""
+    import tiny_models
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from storyrl.generators.tapm.features import FeatureExtractor, FeatureStore, write_features
+    from storyrl.generators.tapm.model import TapmModel
+
+    root = tmp_path_factory.mktemp("tapm_safety")
+    images = tiny_models.write_images(root / "img", n=4)
+    write_features(root / "features", [(p.stem, str(p)) for p in images],
+                   FeatureExtractor("test_resnet", pretrained=False, device="cpu"), batch_size=4)
+    decoder = tiny_models.save_tiny_decoder(root / "gpt2")
+    tokenizer, store = AutoTokenizer.from_pretrained(decoder), FeatureStore(root / "features")
+    dims = {t: s["dim"] for t, s in store.types.items()}
+    tokens = {t: s["tokens"] for t, s in store.types.items()}
+    out = {"features": str(root / "features")}
+    for kind, lora in (("full", None), ("lora", {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"],
+                                                 "lora_dropout": 0.0, "fan_in_fan_out": True})):
+        model = TapmModel.from_decoder(AutoModelForCausalLM.from_pretrained(decoder), tokenizer, dims, tokens,
+                                       seed=0, lora=lora)
+        model.save_pretrained(root / kind)
+        tokenizer.save_pretrained(root / kind)
+        out[kind] = str(root / kind)
+    data = root / "data.jsonl"
+    ids = [["img0", "img1", "img2"], ["img1", "img2", "img3"], ["img3", "img0", "img1"], ["img2", "img3", "img0"]]
+    data.write_text("".join(json.dumps({"story_id": f"t{k}", "story": "a dog ran . the cat sat .", "image_ids": i})
+                            + "\n" for k, i in enumerate(ids)))
+    out["data"] = str(data)
+    return out
+
+
+def run_options(assets, tapm_dirs, out, algorithm, policy, lora, **extra):
+    """A 2-step run of ``algorithm`` saving a checkpoint after step 1."""
+    rewards = ["test_safety_words"]
+    if algorithm == "ppo":
+        base = {k: v for k, v in options(assets, out, "ppo", policy=policy if policy != "tapm" else "text",
+                                         lora=lora).items() if k != "ppo"}
+        section = {"per_device_train_batch_size": 4, "num_mini_batches": 2, "response_length": 6,
+                   "num_ppo_epochs": 2, "learning_rate": 1e-3, "save_steps": 1}
+        if policy == "tapm":
+            base.update(model=tapm_dirs["lora" if lora else "full"], data=tapm_dirs["data"], prompt="P1",
+                        lora={"enabled": False})
+            section["tapm_features"] = tapm_dirs["features"]
+        return {**base, "rewards": rewards, "reward_weights": None, "max_steps": 2, "ppo": section, **extra}
+    section = {"save_strategy": "steps", "save_steps": 1}
+    return {**options(assets, out, algorithm, policy=policy, lora=lora, **{algorithm: section}),
+            "rewards": rewards, "reward_weights": None, "max_steps": 2, **extra}
+
+
+COMBOS = [(a, p, lora) for a in ("grpo", "rloo") for p in ("text", "vlm") for lora in (False, True)] + \
+         [("ppo", p, lora) for p in ("text", "vlm", "tapm") for lora in (False, True)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm,policy,lora", COMBOS,
+                         ids=[f"{a}-{p}-{'lora' if lora else 'full'}" for a, p, lora in COMBOS])
+def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(assets, tapm_dirs, tmp_path, algorithm, policy,
+                                                                   lora):
+    """Killed during step 2 (after checkpoint-1), with a newer checkpoint
+    half-written by the kill: --resume continues from the complete one and
+    ends with the uninterrupted run's weights, bit for bit."""
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    def config(out):
+        return RLConfig.from_mapping(run_options(assets, tapm_dirs, out, algorithm, policy, lora))
+
+    crashing_run(None)
+    whole = train(config(tmp_path / "whole"), progress=False)
+    crashing_run(2)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "cut"), progress=False)
+    cut = tmp_path / "cut"
+    assert (cut / "checkpoint-1").is_dir() and not (cut / "final").exists()
+    # What a kill leaves while the next checkpoint is written: TRL writes
+    # checkpoint-N in place (trainer_state.json last), storyrl's PPO writes aside.
+    partial = cut / ("checkpoint-2.tmp" if algorithm == "ppo" else "checkpoint-2")
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half-written")
+    crashing_run(None)
+    resumed = train(config(cut), resume=True, progress=False)
+
+    assert resumed.steps == whole.steps == 2
+    a, b = final_tensors(whole.final_dir), final_tensors(resumed.final_dir)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    start = final_tensors(cut / "checkpoint-1") if algorithm != "ppo" else None
+    if start is not None:  # step 2 changed the weights: equality is not trivially "nothing trained"
+        shared = [k for k in a if k in start]
+        assert shared and any(not np.array_equal(a[k], start[k]) for k in shared)
+    rewards = lambda r: [e.get("rewards/test_safety_words/mean") for e in r.history if "step" in e]  # noqa: E731
+    assert rewards(resumed)[-1] == rewards(whole)[-1]
+
+
+# -- one run per output directory ---------------------------------------------------------------
+
+
+def rl_run(assets, out, **extra):
+    from storyrl.training.rl.config import RLConfig
+
+    crashing_run(None)
+    return RLConfig.from_mapping(run_options(assets, None, out, "grpo", "text", True, max_steps=1, **extra))
+
+
+def test_an_existing_run_directory_is_refused_without_overwrite_and_cleared_with_it(assets, tmp_path):
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import LOCK_FILE, RunDirectoryError
+
+    out = tmp_path / "run"
+    first = train(rl_run(assets, out), progress=False)
+    before = sorted(p.name for p in out.iterdir())
+    history = (out / "history.jsonl").read_text()
+    with pytest.raises(RunDirectoryError, match=r"already holds a run .*--resume.*--overwrite"):
+        train(rl_run(assets, out), progress=False)
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "history.jsonl").read_text() == history
+    stale = out / "checkpoint-99"
+    stale.mkdir()
+    (stale / "trainer_state.json").write_text("{}")
+    second = train(rl_run(assets, out), progress=False, overwrite=True)
+    assert not stale.exists() and second.steps == first.steps == 1
+    assert sorted(p.name for p in out.iterdir()) == before and LOCK_FILE in before
+    with pytest.raises(RunDirectoryError, match="exclude each other"):
+        train(rl_run(assets, out), resume=True, overwrite=True, progress=False)
+
+
+def test_every_trainer_holds_its_run_directory():
+    """Every registered trainer goes through runs.run_directory."""
+    from storyrl.training import TRAINERS
+
+    for name in TRAINERS.names():
+        function = TRAINERS.get(name).train
+        assert getattr(function, "__wrapped__", None) is not None and function.__module__ != "storyrl.training.runs" \
+            and "overwrite" not in function.__wrapped__.__code__.co_varnames, name
+
+
+def test_cli_train_refuses_then_overwrites_a_fit_trainers_run(tmp_path):
+    """`storyrl train coherence` (the fit-based trainers' path): refused
+    over an earlier run, --overwrite replaces it, --resume with --overwrite
+    is a usage error."""
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.training.runs import lock_directory
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "history.jsonl").write_text('{"epoch": 1}\n')
+    (out / "best").mkdir()
+    one = tmp_path / "one.json"  # too few stories: the run fails once it has started
+    one.write_text(json.dumps({"a": "One. Two."}))
+    config = write_yaml(tmp_path / "c.yaml", {"output_dir": str(out), "stories": [str(one)]})
+    runner = CliRunner()
+    result = runner.invoke(main, ["train", "coherence", "--config", str(config), "-q"])
+    assert result.exit_code == 1 and "already holds a run" in result.output and "--overwrite" in result.output
+    assert (out / "history.jsonl").read_text() == '{"epoch": 1}\n'
+    result = runner.invoke(main, ["train", "coherence", "--config", str(config), "--resume", "--overwrite"])
+    assert result.exit_code == 2 and "exclude each other" in result.output
+    with lock_directory(out):
+        result = runner.invoke(main, ["train", "coherence", "--config", str(config), "--overwrite", "-q"])
+        assert result.exit_code == 1 and f"{out}: in use by another run" in result.output
+    assert (out / "best").is_dir()  # nothing removed while another run holds it
+    # --overwrite clears the directory before the run starts (this one then fails on its missing data)
+    result = runner.invoke(main, ["train", "coherence", "--config", str(config), "--overwrite", "-q"])
+    assert result.exit_code == 1 and "at least 2 stories" in result.output
+    assert not (out / "history.jsonl").exists() and not (out / "best").exists()
+
+
+def test_a_second_run_on_a_locked_directory_fails_at_once(assets, tmp_path):
+    """While one process holds the run directory (a subprocess here), a
+    second train rl fails at once naming it, and leaves it untouched."""
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import RunDirectoryError
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from storyrl.training.runs import lock_directory\n"
+         "with lock_directory(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryError, match=f"{out}: in use by another run"):
+            train(rl_run(assets, out), progress=False)
+        assert [p.name for p in out.iterdir()] == [".storyrl-run.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_ablate_locks_its_output_directory(tmp_path):
+    from storyrl.eval.ablation import AblationConfig, run_ablation
+    from storyrl.training.runs import RunDirectoryError, lock_directory
+
+    stories = tmp_path / "a.json"
+    stories.write_text(json.dumps({"s1": "A dog ran. A dog ran."}))
+    human = tmp_path / "h.jsonl"
+    human.write_text(json.dumps({"story_id": "s1", "story": "The cat sat. It slept."}) + "\n")
+    config = AblationConfig.from_mapping({
+        "output_dir": str(tmp_path / "abl"), "stories": {"a": str(stories)},
+        "eval": {"data": str(human), "metrics": ["repetition"]}})
+    with lock_directory(tmp_path / "abl"):
+        with pytest.raises(RunDirectoryError, match="in use by another run"):
+            run_ablation(config, progress=False)
+    assert run_ablation(config, progress=False).variants[0].stories == 1
+
+
+# -- runs that train nothing fail ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
+def test_a_run_whose_reward_scores_no_story_fails_without_a_final_policy(assets, tmp_path, algorithm):
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import RunFailedError
+
+    out = tmp_path / "run"
+    config = RLConfig.from_mapping(run_options(assets, None, out, algorithm, "text", True,
+                                               rewards=["test_safety_nothing"], max_steps=3))
+    with pytest.raises(RunFailedError, match=r"^step 1: no story was scorable: test_safety_nothing"):
+        train(config, progress=False)
+    assert not (out / "final").exists()
+    history = read_jsonl(out / "history.jsonl")
+    assert max(e.get("step", 0) for e in history) <= 1  # stopped at the first step, not after 3
+
+
+def test_a_run_that_trains_zero_steps_fails(assets, tmp_path):
+    """4 prompts cannot fill one GRPO step of 16 prompts: no step, an error, no final/."""
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import RunFailedError
+
+    out = tmp_path / "run"
+    options_ = run_options(assets, None, out, "grpo", "text", True, max_steps=None)
+    options_["grpo"].update(per_device_train_batch_size=32, num_generations=2)
+    with pytest.raises(RunFailedError, match=r"trained 0 steps: 4 prompts"):
+        train(RLConfig.from_mapping(options_), progress=False)
+    assert not (out / "final").exists()
+
+
+def test_cli_failure_is_one_line(assets, tmp_path):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    config = write_yaml(tmp_path / "rl.yaml", run_options(assets, None, tmp_path / "out", "ppo", "text", True,
+                                                          rewards=["test_safety_nothing"]))
+    result = CliRunner().invoke(main, ["train", "rl", "--config", str(config), "-q"])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert result.exit_code == 1 and len(errors) == 1 and "no story was scorable" in errors[0]
+    assert "Traceback" not in result.output
+
+
+# -- checkpoints that need no unpickling ---------------------------------------------------------
+
+
+class _Planted:
+    """Unpickling this runs code: it writes a file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "pwned"))
+
+
+def test_resume_never_unpickles_a_planted_file(assets, tmp_path):
+    """PPO and the fit loop keep the LR schedule's state in trainer_state.json
+    (a resumed run keeps the uninterrupted run's rates); a
+    custom_checkpoint_0.pkl planted in a checkpoint, which accelerate's
+    load_state would unpickle, is refused by name and never loaded."""
+    import torch
+
+    from storyrl.training.config import TrainConfig
+    from storyrl.training.loop import fit
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    # PPO
+    marker = tmp_path / "pwned_ppo"
+    crashing_run(None)
+    options_ = run_options(assets, None, tmp_path / "ppo", "ppo", "text", True, max_steps=1)
+    train(RLConfig.from_mapping(options_), progress=False)
+    checkpoint = tmp_path / "ppo" / "checkpoint-1"
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["scheduler"]["last_epoch"] == 4 and not list(checkpoint.glob("custom_*"))  # 2 epochs x 2 minibatches
+    planted = checkpoint / "custom_checkpoint_0.pkl"
+    planted.write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(ValueError, match=f"{planted}: not a file storyrl writes"):
+        train(RLConfig.from_mapping({**options_, "max_steps": 2}), resume=True, progress=False)
+    assert not marker.exists()
+    planted.unlink()
+    assert train(RLConfig.from_mapping({**options_, "max_steps": 2}), resume=True, progress=False).steps == 2
+
+    # the fit loop (vrank, cosmic, coherence, rovist_vg, tapm)
+    marker = tmp_path / "pwned_fit"
+    torch.manual_seed(0)
+    data = [(torch.randn(2), int(k % 2)) for k in range(32)]
+
+    def step(model, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(model(x), y), {}
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(2, 2)
+
+    cfg = lambda out, epochs: TrainConfig(output_dir=str(out), epochs=epochs, batch_size=8, lr=0.1,  # noqa: E731
+                                          lr_decay=0.5, patience=5)
+    whole = fit(model(), data, data[:8], cfg(tmp_path / "w", 3), step, progress=False)
+    fit(model(), data, data[:8], cfg(tmp_path / "f", 1), step, progress=False)
+    last = tmp_path / "f" / "last"
+    assert json.loads((last / "trainer_state.json").read_text())["scheduler"]["last_epoch"] == 1
+    (last / "custom_checkpoint_0.pkl").write_bytes(pickle.dumps(_Planted(marker)))
+    with pytest.raises(ValueError, match="custom_checkpoint_0.pkl: not a file storyrl writes"):
+        fit(model(), data, data[:8], cfg(tmp_path / "f", 3), step, resume=True, progress=False)
+    assert not marker.exists()
+    (last / "custom_checkpoint_0.pkl").unlink()
+    resumed = fit(model(), data, data[:8], cfg(tmp_path / "f", 3), step, resume=True, progress=False)
+    assert [h["lr"] for h in resumed.history] == [h["lr"] for h in whole.history] == [0.1, 0.05, 0.025]
+    assert [h["val_loss"] for h in resumed.history] == [h["val_loss"] for h in whole.history]
+
+
+def test_a_legacy_checkpoint_schedule_is_read_only_as_plain_data(tmp_path):
+    """Checkpoints written before: the schedule in custom_checkpoint_0.pkl,
+    read with weights_only=True (numbers load; code is refused), then moved
+    aside so that accelerate's load_state does not unpickle it."""
+    import torch
+
+    from storyrl.training.checkpoints import scheduler_state
+
+    class Accelerator:
+        is_main_process = True
+
+        def wait_for_everyone(self):
+            pass
+
+    legacy = tmp_path / "custom_checkpoint_0.pkl"
+    torch.save({"last_epoch": 3, "base_lrs": [0.1]}, legacy)
+    assert scheduler_state(Accelerator(), tmp_path, {}) == {"last_epoch": 3, "base_lrs": [0.1]}
+    assert not legacy.exists() and (tmp_path / "custom_checkpoint_0.pkl.legacy").is_file()
+    assert scheduler_state(Accelerator(), tmp_path, {}) == {"last_epoch": 3, "base_lrs": [0.1]}  # again, after a kill
+    (tmp_path / "custom_checkpoint_0.pkl.legacy").unlink()
+    legacy.write_bytes(pickle.dumps(_Planted(tmp_path / "pwned")))
+    with pytest.raises(ValueError, match="cannot be read safely"):
+        scheduler_state(Accelerator(), tmp_path, {})
+    assert not (tmp_path / "pwned").exists() and legacy.exists()
+
+
+# -- strict RL configs ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"grpo": {"learning_rate": "1e-3"}}, "grpo: key 'learning_rate': expected a number, got str"),
+    ({"grpo": {"num_generations": 2.0}}, "grpo: key 'num_generations': expected"),
+    ({"grpo": {"beta": float("nan")}}, "grpo: key 'beta': expected a number, got nan"),
+    ({"reward_weights": [float("nan")]}, "reward_weights: every weight must be a finite number"),
+    ({"reward_weights": [0.0]}, "reward_weights: every weight is 0"),
+    ({"ppo": {"learning_rate": 1e-3}}, "ppo: options for algorithm ppo, but the run's algorithm is grpo"),
+])
+def test_rl_config_values_are_validated_not_converted(assets, tmp_path, change, message):
+    from storyrl.training.rl.config import RLConfig
+
+    mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False)
+    for key, value in change.items():
+        mapping[key] = {**mapping[key], **value} if isinstance(value, dict) and key in mapping else value
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        RLConfig.from_mapping(mapping)
+
+
+def test_nested_ppo_options_refuse_nan(assets, tmp_path):
+    from storyrl.training.rl.config import RLConfig
+
+    mapping = run_options(assets, None, tmp_path / "o", "ppo", "text", False)
+    mapping["ppo"]["learning_rate"] = math.nan
+    with pytest.raises(ValueError, match="learning_rate must be a number, got nan"):
+        RLConfig.from_mapping(mapping)
+
+
+def test_trl_values_their_docs_admit_are_kept_as_given(assets, tmp_path):
+    """scale_rewards is annotated str but documented `str` or `bool`: a bool
+    passes to TRL (which maps it); an int save_steps stays an int."""
+    from storyrl.training.rl.config import RLConfig
+
+    mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False)
+    mapping["grpo"].update(scale_rewards=False, save_steps=3)
+    config = RLConfig.from_mapping(mapping)
+    assert config.grpo.scale_rewards == "none" and config.grpo.save_steps == 3
+
+
+# -- several processes ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_two_ppo_processes_share_one_run(assets, tmp_path):
+    """`torch.distributed.run --nproc_per_node 2 -m storyrl train rl` with
+    PPO: one run of 2 processes (not two single-process copies): each step
+    rolls out 2 prompts per process (episode = 4 per step), and the main
+    process alone writes history and samples, once per step."""
+    import signal
+
+    config = run_options(assets, None, tmp_path / "out", "ppo", "text", True)
+    config["rewards"] = ["rouge_l"]
+    config["ppo"].update(per_device_train_batch_size=2, num_mini_batches=1, num_ppo_epochs=1, save_steps=1)
+    path = write_yaml(tmp_path / "rl.yaml", config)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               "-m", "storyrl", "train", "rl", "--config", str(path), "-q"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == 0, stderr[-3000:]
+    history = read_jsonl(tmp_path / "out" / "history.jsonl")
+    assert [h["step"] for h in history] == [1, 2] and [h["episode"] for h in history] == [4.0, 8.0]
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    assert [s["step"] for s in samples] == [1, 2]
+    assert (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_ppo_processes_roll_out_different_prompts(assets, tmp_path):
+    """The rows of one step: process k takes the k-th block of the global
+    batch, so two processes never roll out the same prompts in a step."""
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    trainer = PPOTrainer.__new__(PPOTrainer)
+    trainer.args = type("A", (), {"per_device_train_batch_size": 2, "seed": 0})()
+    trainer.train_dataset = [{"i": k} for k in range(6)]
+    trainer.global_batch, trainer._orders = 4, {}
+    rows = {}
+    for rank in (0, 1):
+        trainer.accelerator = type("Acc", (), {"process_index": rank})()
+        rows[rank] = [r["i"] for r in trainer._rows(0)]
+    assert len(set(rows[0]) | set(rows[1])) == 4 and not set(rows[0]) & set(rows[1])
