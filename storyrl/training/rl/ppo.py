@@ -109,6 +109,7 @@ from storyrl.training.rl.ppo_config import PPOConfig
 from storyrl.training.rl.ppo_rewards import call_rewards, combine_scores, reward_name
 from storyrl.training.rl.rollout import Rollout, make_adapter, response_logits
 from storyrl.training.rl.value import PolicyAndValue, ValueHead, check_value_model, load_value_model, save_value_head
+from storyrl.training.runs import RunFailedError
 
 __all__ = ["PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
 
@@ -260,8 +261,9 @@ class PPOTrainer:
         # Not prepared: accelerate's scheduler wrapper steps once per process.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda n: max(0.0, 1.0 - n / total_updates) if linear else 1.0)
+        # The schedule's state goes to trainer_state.json (JSON), not to
+        # accelerate's custom_checkpoint_*.pkl, which resume would unpickle.
         self.model, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
 
         self.kl_ctl = (pm.AdaptiveKLController(args.kl_coef, args.target, args.horizon) if args.adaptive_kl
                        else pm.FixedKLController(args.kl_coef))
@@ -550,6 +552,7 @@ class PPOTrainer:
                 raise FileNotFoundError(f"resume=True but {self.output_dir} holds no checkpoint-<step>/ "
                                         f"with {TRAINER_STATE}")
             state = load_checkpoint(acc, checkpoint, args.to_dict())  # also the RNG of the next step
+            self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
             self.kl_ctl.value = float(state["kl_coef"])
             self.moments.load_state_dict(state["moments"])
@@ -566,6 +569,7 @@ class PPOTrainer:
                                                   if isinstance(v, (int, float, str, bool))})
         bar = tqdm(total=self.num_steps, initial=self.step, desc="PPO",
                    disable=not (progress and acc.is_local_main_process))
+        scored = any(isinstance(r.get("reward"), (int, float)) for r in self.history)  # before a resume
         try:
             while self.step < self.num_steps:
                 metrics, samples = self._step(self.step)
@@ -573,15 +577,28 @@ class PPOTrainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 masked=f"{metrics['ppo/masked_frac']:.2f}")
-                if self.step % args.logging_steps == 0 or self.step == self.num_steps:
+                failed = not scored and not math.isfinite(metrics["reward"])  # over every process's stories
+                scored = scored or math.isfinite(metrics["reward"])
+                if failed or self.step % args.logging_steps == 0 or self.step == self.num_steps:
                     self._log(metrics, samples)
+                if failed:  # every process stops here, before a checkpoint of the untrained policy
+                    raise RunFailedError(
+                        f"step {self.step}: no story was scorable: {', '.join(self.reward_names)} returned None/NaN "
+                        f"for every completion (nothing to learn from); check what the rewards need (references, "
+                        f"images, models)")
+                if not math.isfinite(metrics["reward"]):
+                    logger.warning("step %d: no story was scorable; the step made no update", self.step)
                 if args.save_steps is not None and (self.step % args.save_steps == 0 or self.step == self.num_steps):
                     state = {"step": self.step, "kl_coef": self.kl_ctl.value, "moments": self.moments.state_dict(),
-                             "history": self.history, "config": args.to_dict()}
+                             "scheduler": self.scheduler.state_dict(), "history": self.history,
+                             "config": args.to_dict()}
                     save_checkpoint(acc, self.output_dir, self.step, state, keep=args.save_total_limit)
         finally:
             bar.close()
-            acc.end_training()
+            # Not acc.end_training(): it also destroys the process group, and
+            # save_model() after train() still synchronises the processes.
+            for tracker in acc.trackers:
+                tracker.finish()
         return PPOResult(steps=self.step, history=list(self.history), output_dir=str(self.output_dir))
 
     def _log(self, metrics: dict[str, float], samples: list[dict]) -> None:
