@@ -512,3 +512,23 @@ def test_ppo_processes_roll_out_different_prompts(assets, tmp_path):
         trainer.accelerator = type("Acc", (), {"process_index": rank})()
         rows[rank] = [r["i"] for r in trainer._rows(0)]
     assert len(set(rows[0]) | set(rows[1])) == 4 and not set(rows[0]) & set(rows[1])
+
+
+@pytest.mark.slow
+def test_process_state_then_an_accelerator_see_every_process(tmp_path):
+    """The trainers read the main process from runs.process_state() before
+    their accelerator exists: under torchrun on CPU both must see 2
+    processes (a bare PartialState() saw 1 and made the accelerator see 1)."""
+    script = tmp_path / "probe.py"
+    script.write_text("import storyrl, torch\nfrom accelerate import Accelerator\n"
+                      "from storyrl.training.runs import process_state\n"
+                      "state = process_state()\n"
+                      "acc = Accelerator(cpu=not torch.cuda.is_available())\n"
+                      "import sys, pathlib\n"
+                      "pathlib.Path(sys.argv[1], f'seen{acc.process_index}').write_text("
+                      "f'{state.num_processes} {acc.num_processes}')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+                          str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    seen = {p.name: p.read_text() for p in tmp_path.glob("seen*")}
+    assert seen == {"seen0": "2 2", "seen1": "2 2"}, out.stderr[-2000:]
