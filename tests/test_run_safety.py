@@ -206,10 +206,29 @@ def test_every_trainer_holds_its_run_directory():
     """Every registered trainer goes through runs.run_directory."""
     from storyrl.training import TRAINERS
 
-    for name in TRAINERS.names():
+    builtin = ["coherence", "rovist_vg", "vrank", "cosmic", "tapm", "rl"]
+    assert set(builtin) <= set(TRAINERS.names())
+    for name in builtin:
         function = TRAINERS.get(name).train
-        assert getattr(function, "__wrapped__", None) is not None and function.__module__ != "storyrl.training.runs" \
-            and "overwrite" not in function.__wrapped__.__code__.co_varnames, name
+        assert getattr(function, "storyrl_guarded", False) and function.__wrapped__.__module__.startswith(
+            "storyrl.training."), name
+
+
+def test_a_trainer_registered_from_outside_gets_the_guard(tmp_path):
+    from storyrl.training import Trainer
+    from storyrl.training.config import TrainConfig
+    from storyrl.training.runs import RunDirectoryError
+
+    calls = []
+    trainer = Trainer(TrainConfig, lambda config, resume=False, progress=True: calls.append(resume) or "done")
+    out = tmp_path / "run"
+    config = TrainConfig(output_dir=str(out))
+    assert trainer.run(config) == "done"
+    (out / "history.jsonl").write_text("{}\n")
+    with pytest.raises(RunDirectoryError, match="already holds a run"):
+        trainer.run(config)
+    assert trainer.run(config, resume=True) == "done" and calls == [False, True]
+    assert trainer.run(config, overwrite=True) == "done" and not (out / "history.jsonl").exists()
 
 
 def test_cli_train_refuses_then_overwrites_a_fit_trainers_run(tmp_path):

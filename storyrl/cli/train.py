@@ -60,7 +60,7 @@ def _train_command(name: str, description: str) -> click.Command:
         trainer = TRAINERS.get(name)
         try:
             config = trainer.config_class.from_yaml(config_path, **given(values))
-            result = trainer.train(config, resume=resume, progress=not quiet, overwrite=overwrite)
+            result = trainer.run(config, resume=resume, progress=not quiet, overwrite=overwrite)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
         summary = getattr(result, "summary", None)  # trainers without epochs (rl) say what they did

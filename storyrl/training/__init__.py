@@ -27,6 +27,16 @@ class Trainer:
     config_class: type
     train: Callable[..., Any]
 
+    def run(self, config, resume: bool = False, progress: bool = True, overwrite: bool = False) -> Any:
+        """``train`` inside its output directory's guard
+        (:func:`storyrl.training.runs.run_directory`): storyrl's trainers
+        hold it themselves (:func:`~storyrl.training.runs.guarded`), a
+        trainer registered from outside gets it here."""
+        from storyrl.training.runs import guarded
+
+        train = self.train if getattr(self.train, "storyrl_guarded", False) else guarded(self.train)
+        return train(config, resume=resume, progress=progress, overwrite=overwrite)
+
 
 TRAINERS: Registry[Trainer] = Registry("trainer")
 TRAINERS.add("coherence", "storyrl.training.coherence:TRAINER",

@@ -130,4 +130,5 @@ def guarded(train: Callable[..., Any]) -> Callable[..., Any]:
         with run_directory(config.output_dir, resume=resume, overwrite=overwrite):
             return train(config, resume, progress, *args, **kwargs)
 
+    run.storyrl_guarded = True
     return run
