@@ -168,11 +168,7 @@ class RLConfig(Config):
             built = cls.from_mapping({**given, **self._flowed(cls)}) if issubclass(cls, Config) else \
                 cls(**{**self._device_defaults(given), **given, **self._flowed(cls)})
         except TypeError as exc:
-            message = str(exc)
-            if "unexpected keyword argument" in message:
-                key = message.rsplit(" ", 1)[-1].strip("'")
-                message = f"unknown key {key!r} (see TRL's {cls.__name__})"
-            raise ValueError(f"{label}: {name}: {message}") from None
+            raise ValueError(f"{label}: {name}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{label}: {name}: {' '.join(str(exc).split())}") from None
         object.__setattr__(built, _GIVEN, given)
@@ -309,9 +305,10 @@ def _check_trl_types(cls: type, given: Mapping[str, Any], label: str) -> None:
     import typing
 
     hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
     for key, value in given.items():
-        if key not in hints:
-            continue  # unknown keys: the constructor names them
+        if key not in known:
+            raise ValueError(f"{label}: unknown key {key!r} (see TRL's {cls.__name__})")
         if isinstance(value, float) and math.isnan(value):
             raise ValueError(f"{label}: key {key!r}: expected a number, got nan")
         try:
