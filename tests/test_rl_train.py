@@ -529,22 +529,17 @@ def test_cli_dispatches_ppo(assets, tmp_path):
     assert (tmp_path / "out" / "checkpoint-2").is_dir()
 
 
-def test_two_processes_under_torch_launcher(assets, tmp_path):
-    """`python -m torch.distributed.run --nproc_per_node 2 -m storyrl train rl`
-    (what accelerate launch starts): both processes train, the main one alone
-    writes the samples, history and final policy."""
+def train_two_processes(config_path) -> str:
+    """`storyrl train rl` under `torch.distributed.run --nproc_per_node 2`
+    (what accelerate launch starts); its stdout, after checking it exited 0."""
     import os
     import signal
     import subprocess
     import sys
 
-    # rouge_l against the record's story scores any text (a run that scores no story fails)
-    config = {**options(assets, tmp_path / "out", lora=True), "rewards": ["rouge_l"], "reward_weights": None}
-    config["grpo"]["per_device_train_batch_size"] = 2  # 2 processes x 2 completions = one group per process
-    path = write_yaml(tmp_path / "rl.yaml", config)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "-m", "storyrl", "train", "rl", "--config", str(path), "-q"]
+               "-m", "storyrl", "train", "rl", "--config", str(config_path), "-q"]
     # Its own process group: a hung run is killed with both of its workers.
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
                             start_new_session=True)
@@ -554,6 +549,17 @@ def test_two_processes_under_torch_launcher(assets, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     assert proc.returncode == 0, stderr[-3000:]
+    return stdout
+
+
+def test_two_processes_under_torch_launcher(assets, tmp_path):
+    """`python -m torch.distributed.run --nproc_per_node 2 -m storyrl train rl`
+    (what accelerate launch starts): both processes train, the main one alone
+    writes the samples, history and final policy."""
+    # rouge_l against the record's story scores any text (a run that scores no story fails)
+    config = {**options(assets, tmp_path / "out", lora=True), "rewards": ["rouge_l"], "reward_weights": None}
+    config["grpo"]["per_device_train_batch_size"] = 2  # 2 processes x 2 completions = one group per process
+    stdout = train_two_processes(write_yaml(tmp_path / "rl.yaml", config))
     summaries = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 2 and all(s["steps"] == STEPS for s in summaries)
     samples = read_jsonl(tmp_path / "out" / "samples.jsonl")

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_rl_train import REPO, assets, options, read_jsonl, write_yaml  # noqa: F401  (assets: a fixture)
+from test_rl_train import (  # noqa: F401  (assets: a fixture)
+    REPO,
+    assets,
+    options,
+    read_jsonl,
+    train_two_processes,
+    write_yaml,
+)
 
 import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
 from storyrl.rewards import Reward, register_reward
@@ -493,23 +500,10 @@ def test_two_ppo_processes_share_one_run(assets, tmp_path):
     PPO: one run of 2 processes (not two single-process copies): each step
     rolls out 2 prompts per process (episode = 4 per step), and the main
     process alone writes history and samples, once per step."""
-    import signal
-
     config = run_options(assets, None, tmp_path / "out", "ppo", "text", True)
     config["rewards"] = ["rouge_l"]
     config["ppo"].update(per_device_train_batch_size=2, num_mini_batches=1, num_ppo_epochs=1, save_steps=1)
-    path = write_yaml(tmp_path / "rl.yaml", config)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-               "-m", "storyrl", "train", "rl", "--config", str(path), "-q"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, stderr[-3000:]
+    train_two_processes(write_yaml(tmp_path / "rl.yaml", config))
     history = read_jsonl(tmp_path / "out" / "history.jsonl")
     assert [h["step"] for h in history] == [1, 2] and [h["episode"] for h in history] == [4.0, 8.0]
     samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
