@@ -10,6 +10,7 @@ downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -181,6 +182,23 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(assets, tapm_
 # -- one run per output directory ---------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def held_by_another_process(directory, seconds=15):
+    """Another process holds ``directory``'s run lock for ``seconds`` (a
+    lock that made the second run wait instead of failing would let it
+    through once the holder ends: the tests then fail, not hang)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from storyrl.training.runs import lock_directory\n"
+         "with lock_directory(sys.argv[1]):\n    print('held', flush=True); time.sleep(float(sys.argv[2]))",
+         str(directory), str(seconds)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def rl_run(assets, out, **extra):
     from storyrl.training.rl.config import RLConfig
 
@@ -207,6 +225,54 @@ def test_an_existing_run_directory_is_refused_without_overwrite_and_cleared_with
     assert sorted(p.name for p in out.iterdir()) == before and LOCK_FILE in before
     with pytest.raises(RunDirectoryError, match="exclude each other"):
         train(rl_run(assets, out), resume=True, overwrite=True, progress=False)
+
+
+def test_only_global_rank_0_checks_clears_and_locks(tmp_path, monkeypatch):
+    """On a second node LOCAL_RANK is 0 but RANK is not: that process must
+    leave the directory alone (the run's rank 0 holds it)."""
+    from storyrl.training.runs import is_main_process, run_directory
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "history.jsonl").write_text("{}\n")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "3")
+    assert not is_main_process()
+    with run_directory(out, overwrite=True):
+        assert [p.name for p in out.iterdir()] == ["history.jsonl"]  # neither cleared nor locked here
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert is_main_process()
+
+
+def test_overwrite_removes_a_symlink_not_what_it_points_to(tmp_path):
+    from storyrl.training.runs import run_directory
+
+    elsewhere = tmp_path / "big_disk"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the run's")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "data").symlink_to(elsewhere, target_is_directory=True)
+    (out / "checkpoint-1").mkdir()
+    with run_directory(out, overwrite=True):
+        assert [p.name for p in out.iterdir()] == [".storyrl-run.lock"]
+    assert (elsewhere / "keep.txt").read_text() == "not the run's"
+
+
+def test_an_output_dir_that_is_a_file_is_a_one_line_error(tmp_path):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    out = tmp_path / "run"
+    out.write_text("a file")
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"a": "One. Two."}))
+    config = write_yaml(tmp_path / "c.yaml", {"output_dir": str(out), "stories": [str(one)]})
+    result = CliRunner().invoke(main, ["train", "coherence", "--config", str(config), "-q"])
+    assert result.exit_code == 1 and f"{out}: exists and is not a directory" in result.output
+    assert "Traceback" not in result.output and out.read_text() == "a file"
 
 
 def test_every_trainer_holds_its_run_directory():
@@ -245,7 +311,6 @@ def test_cli_train_refuses_then_overwrites_a_fit_trainers_run(tmp_path):
     from click.testing import CliRunner
 
     from storyrl.cli import main
-    from storyrl.training.runs import lock_directory
 
     out = tmp_path / "run"
     out.mkdir()
@@ -260,7 +325,7 @@ def test_cli_train_refuses_then_overwrites_a_fit_trainers_run(tmp_path):
     assert (out / "history.jsonl").read_text() == '{"epoch": 1}\n'
     result = runner.invoke(main, ["train", "coherence", "--config", str(config), "--resume", "--overwrite"])
     assert result.exit_code == 2 and "exclude each other" in result.output
-    with lock_directory(out):
+    with held_by_another_process(out):
         result = runner.invoke(main, ["train", "coherence", "--config", str(config), "--overwrite", "-q"])
         assert result.exit_code == 1 and f"{out}: in use by another run" in result.output
     assert (out / "best").is_dir()  # nothing removed while another run holds it
@@ -277,23 +342,16 @@ def test_a_second_run_on_a_locked_directory_fails_at_once(assets, tmp_path):
     from storyrl.training.runs import RunDirectoryError
 
     out = tmp_path / "run"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from storyrl.training.runs import lock_directory\n"
-         "with lock_directory(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)", str(out)],
-        stdout=subprocess.PIPE, text=True, cwd=REPO)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with held_by_another_process(out) as holder:
         with pytest.raises(RunDirectoryError, match=f"{out}: in use by another run"):
             train(rl_run(assets, out), progress=False)
+        assert holder.poll() is None  # failed while the other run still held it: no waiting
         assert [p.name for p in out.iterdir()] == [".storyrl-run.lock"]
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_ablate_locks_its_output_directory(tmp_path):
     from storyrl.eval.ablation import AblationConfig, run_ablation
-    from storyrl.training.runs import RunDirectoryError, lock_directory
+    from storyrl.training.runs import RunDirectoryError
 
     stories = tmp_path / "a.json"
     stories.write_text(json.dumps({"s1": "A dog ran. A dog ran."}))
@@ -302,7 +360,7 @@ def test_ablate_locks_its_output_directory(tmp_path):
     config = AblationConfig.from_mapping({
         "output_dir": str(tmp_path / "abl"), "stories": {"a": str(stories)},
         "eval": {"data": str(human), "metrics": ["repetition"]}})
-    with lock_directory(tmp_path / "abl"):
+    with held_by_another_process(tmp_path / "abl"):
         with pytest.raises(RunDirectoryError, match="in use by another run"):
             run_ablation(config, progress=False)
     assert run_ablation(config, progress=False).variants[0].stories == 1
