@@ -603,3 +603,105 @@ def test_process_state_then_an_accelerator_see_every_process(tmp_path):
                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     seen = {p.name: p.read_text() for p in tmp_path.glob("seen*")}
     assert seen == {"seen0": "2 2", "seen1": "2 2"}, out.stderr[-2000:]
+
+
+# -- train rl's own wiring (survivors of the break review) -----------------------------------------
+
+
+@register_reward()
+class _Chars(Reward):
+    """Test reward: a hundredth of the character count (always scorable)."""
+
+    name = "test_safety_chars"
+
+    def _score_batch(self, stories, **context):
+        return np.array([len(s) / 100 for s in stories])
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_reward_weights_reach_the_algorithm(assets, tmp_path, algorithm):
+    """The logged reward of a step is the weighted sum of the rewards' means
+    (every story scorable by both): the run's reward_weights, not 1 and 1."""
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    crashing_run(None)
+    options_ = run_options(assets, None, tmp_path / "run", algorithm, "text", True, max_steps=1,
+                           rewards=["test_safety_words", "test_safety_chars"], reward_weights=[2.0, -0.5])
+    result = train(RLConfig.from_mapping(options_), progress=False)
+    entry = next(e for e in result.history if "rewards/test_safety_chars/mean" in e)
+    expected = 2.0 * entry["rewards/test_safety_words/mean"] - 0.5 * entry["rewards/test_safety_chars/mean"]
+    assert entry["reward"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_ppo_resume_without_a_checkpoint_starts_afresh(assets, tmp_path, caplog):
+    import logging
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    crashing_run(None)
+    options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=1)
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+        result = train(RLConfig.from_mapping(options_), resume=True, progress=False)
+    assert result.steps == 1 and "starting from the beginning" in caplog.text
+
+
+def test_a_reward_that_cannot_load_leaves_the_directory_empty(assets, tmp_path):
+    """The run fails before writing anything, so it can be started again
+    without --overwrite."""
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    out = tmp_path / "run"
+    options_ = run_options(assets, None, out, "grpo", "text", True,
+                           rewards=[{"reward": "coherence", "model": str(tmp_path / "no_model")}])
+    with pytest.raises(ValueError, match="no_model"):
+        train(RLConfig.from_mapping(options_), progress=False)
+    assert [p.name for p in out.iterdir()] == [".storyrl-run.lock"]
+
+
+def test_the_saved_config_and_resume_warnings(assets, tmp_path, caplog, monkeypatch):
+    """rl_config.yaml is written by global rank 0 only; resuming with a
+    longer max_steps says nothing, with another learning rate it warns."""
+    import logging
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import CONFIG_FILE, _save_config
+
+    out = tmp_path / "run"
+    config = RLConfig.from_mapping(run_options(assets, None, out, "grpo", "text", True))
+    monkeypatch.setenv("RANK", "1")
+    _save_config(config, resume=False)
+    assert not (out / CONFIG_FILE).exists()
+    monkeypatch.setenv("RANK", "0")
+    _save_config(config, resume=False)
+    assert RLConfig.from_yaml(out / CONFIG_FILE).to_dict() == config.to_dict()
+    longer = RLConfig.from_mapping({**run_options(assets, None, out, "grpo", "text", True), "max_steps": 9})
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+        _save_config(longer, resume=True)
+    assert "differs" not in caplog.text
+    options_ = run_options(assets, None, out, "grpo", "text", True)
+    options_["grpo"]["learning_rate"] = 0.5
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+        _save_config(RLConfig.from_mapping(options_), resume=True)
+    assert "the config differs from the saved one in grpo" in caplog.text
+
+
+def test_quiet_runs_restore_the_progress_bars(assets, tmp_path):
+    from transformers.utils import logging as hf_logging
+
+    from storyrl.training.rl.train import train
+
+    hf_logging.enable_progress_bar()
+    train(rl_run(assets, tmp_path / "run"), progress=False)
+    assert hf_logging.is_progress_bar_enabled()
+
+
+def test_summary_reports_the_last_finite_reward():
+    from storyrl.training.rl.train import RLResult
+
+    result = RLResult("grpo", "out", 3, [{"reward": 0.1}, {"loss": 1.0}, {"reward": 0.7}])
+    assert result.summary() == {"algorithm": "grpo", "output_dir": "out", "final": str(Path("out") / "final"),
+                                "steps": 3, "last_reward": 0.7}
+    assert RLResult("ppo", "out", 1, [{"reward": math.nan}]).summary()["last_reward"] is None
