@@ -705,3 +705,31 @@ def test_summary_reports_the_last_finite_reward():
     assert result.summary() == {"algorithm": "grpo", "output_dir": "out", "final": str(Path("out") / "final"),
                                 "steps": 3, "last_reward": 0.7}
     assert RLResult("ppo", "out", 1, [{"reward": math.nan}]).summary()["last_reward"] is None
+
+
+def test_only_the_main_process_rewrites_the_logs_on_train_begin(tmp_path):
+    from types import SimpleNamespace
+
+    from storyrl.training.rl.trl_trainers import HistoryCallback
+
+    (tmp_path / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / "samples.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    callback = HistoryCallback(tmp_path)
+    callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=False, log_history=[], global_step=0), None)
+    assert (tmp_path / "history.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (tmp_path / "samples.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, log_history=[{"step": 1, "loss": 0.5}],
+                                                  global_step=1), None)
+    assert read_jsonl(tmp_path / "history.jsonl") == [{"step": 1, "loss": 0.5}]
+    assert read_jsonl(tmp_path / "samples.jsonl") == [{"step": 1}]
+
+
+def test_a_dataset_of_exactly_one_generation_round_trains(assets, tmp_path):
+    """4 prompts, rounds of 4 prompts (8 completions, 2 per prompt): one step."""
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    crashing_run(None)
+    options_ = run_options(assets, None, tmp_path / "run", "grpo", "text", True, max_steps=1)
+    options_["grpo"].update(per_device_train_batch_size=8, num_generations=2)
+    assert train(RLConfig.from_mapping(options_), progress=False).steps == 1
