@@ -733,3 +733,57 @@ def test_a_dataset_of_exactly_one_generation_round_trains(assets, tmp_path):
     options_ = run_options(assets, None, tmp_path / "run", "grpo", "text", True, max_steps=1)
     options_["grpo"].update(per_device_train_batch_size=8, num_generations=2)
     assert train(RLConfig.from_mapping(options_), progress=False).steps == 1
+
+
+def test_scorable_check_by_hand():
+    """Fails the run only at a logged step where no reward with a non-zero
+    weight has a mean, and only while no earlier step (a resumed run's
+    included) scored a story."""
+    from types import SimpleNamespace
+
+    from storyrl.training.rl.trl_trainers import ScorableCheck
+
+    nan = float("nan")
+
+    def run(logs_seq, history=(), weights=(1.0, 0.0, 2.0)):
+        check = ScorableCheck(["a", "b", "c"], list(weights))
+        state = SimpleNamespace(log_history=list(history), global_step=0)
+        check.on_train_begin(None, state, None)
+        control = SimpleNamespace(should_training_stop=False)
+        for step, logs in enumerate(logs_seq, 1):
+            state.global_step = step
+            check.on_log(None, state, control, logs=logs)
+            if control.should_training_stop:
+                return check.failure
+        return None
+
+    m = lambda a, b, c: {"rewards/a/mean": a, "rewards/b/mean": b, "rewards/c/mean": c}  # noqa: E731
+    assert run([m(nan, 0.5, nan)]).startswith("step 1: no story was scorable: a, c returned")  # b weighs 0
+    assert run([m(nan, nan, 0.3)]) is None  # one weighted reward scored: enough
+    assert run([m(0.1, nan, nan), m(nan, nan, nan)]) is None  # scored before: later steps only warn
+    assert run([{"loss": 1.0}, m(nan, nan, nan)]).startswith("step 2: no story was scorable")  # no reward key
+    assert run([m(nan, nan, nan)], history=[m(0.2, nan, nan)]) is None  # resumed after scored steps
+    assert run([m(None, 1.0, None)]) is not None  # TRL writes a NaN mean as null in some logs
+
+
+def test_latest_complete_checkpoint_by_hand(tmp_path):
+    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
+
+    def checkpoint(step, state_step=None, state=True):
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        if state:
+            (path / "trainer_state.json").write_text(json.dumps({"global_step": step if state_step is None
+                                                                 else state_step}))
+        return path
+
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    checkpoint(2)
+    nine = checkpoint(9)
+    checkpoint(10, state=False)  # killed before trainer_state.json
+    checkpoint(11, state_step=7)  # another run's state file
+    (tmp_path / "checkpoint-12").mkdir()
+    (tmp_path / "checkpoint-12" / "trainer_state.json").write_text('{"global_st')  # cut mid-write
+    (tmp_path / "checkpoint-x").mkdir()
+    assert latest_complete_checkpoint(tmp_path) == nine
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-9", "checkpoint-x"]
