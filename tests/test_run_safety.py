@@ -787,3 +787,64 @@ def test_latest_complete_checkpoint_by_hand(tmp_path):
     (tmp_path / "checkpoint-x").mkdir()
     assert latest_complete_checkpoint(tmp_path) == nine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-9", "checkpoint-x"]
+
+
+def test_ppo_trainer_steps_and_weights(tmp_path):
+    """Without max_steps a run is ceil(prompts x epochs / global batch) steps
+    (6 prompts, 4 per step: 2, the last one wrapping into the next pass);
+    all-zero reward weights are refused."""
+    import tiny_models
+    from datasets import Dataset
+
+    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.rl.ppo_config import PPOConfig
+
+    tokenizer = tiny_models.chat_tokenizer(["a dog ran . the cat sat ."])
+    data = Dataset.from_dict({"prompt": ["a dog"] * 6, "story_id": [f"s{k}" for k in range(6)]})
+    args = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, save_steps=None)
+    reward = lambda completions, **kw: [1.0] * len(completions)  # noqa: E731
+    reward.__name__ = "one"
+    trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), reward, args, data, processing_class=tokenizer)
+    assert trainer.num_steps == 2
+    args3 = PPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, save_steps=None,
+                      num_train_epochs=3)
+    assert PPOTrainer(tiny_models.tiny_llama(tokenizer), reward, args3, data,
+                      processing_class=tokenizer).num_steps == 5
+    with pytest.raises(ValueError, match="every reward weight is 0"):
+        PPOTrainer(tiny_models.tiny_llama(tokenizer), reward, args, data, processing_class=tokenizer,
+                   reward_weights=[0.0])
+
+
+def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
+    """load_full_weights: every key of the policy must come from the
+    checkpoint (a 1-layer checkpoint into a 2-layer policy leaves layer 1
+    'missing'); a matching one loads exactly."""
+    import tiny_models
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from storyrl.training.rl.trl_trainers import load_full_weights
+
+    tokenizer = tiny_models.chat_tokenizer(["a dog ran ."])
+    policy = tiny_models.tiny_llama(tokenizer)
+    saved = tiny_models.tiny_llama(tokenizer, seed=1)
+    saved.save_pretrained(tmp_path / "same")
+    assert load_full_weights(policy, tmp_path / "same")
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), saved.state_dict().values()))
+    config = LlamaConfig(**{**policy.config.to_dict(), "num_hidden_layers": policy.config.num_hidden_layers - 1})
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "shallow")
+    with pytest.raises(ValueError, match="do not fit the policy"):
+        load_full_weights(policy, tmp_path / "shallow")
+    assert not load_full_weights(policy, tmp_path)  # no weights file: left to the Trainer (adapters)
+
+
+def test_story_statistics_that_are_nan_are_not_logged():
+    """distinct-n of a batch without n-grams is NaN: not sent to TRL's log."""
+    from storyrl.training.rl.trl_trainers import StoryMonitor
+
+    logged = {}
+    monitor = StoryMonitor([1.0], None)
+    (reward,) = monitor.wrap([lambda prompts=None, completions=None, **kw: [None] * len(completions)])
+    reward(prompts=["p", "p"], completions=["", ""], log_metric=logged.__setitem__, completion_ids=[[], []])
+    assert logged["story/empty_frac"] == 1.0 and not any(k.startswith("story/distinct") for k in logged)
+    assert all(math.isfinite(v) for v in logged.values())
