@@ -848,3 +848,81 @@ def test_story_statistics_that_are_nan_are_not_logged():
     reward(prompts=["p", "p"], completions=["", ""], log_metric=logged.__setitem__, completion_ids=[[], []])
     assert logged["story/empty_frac"] == 1.0 and not any(k.startswith("story/distinct") for k in logged)
     assert all(math.isfinite(v) for v in logged.values())
+
+
+GAPS = {"unscorable_calls": set(), "calls": 0}
+
+
+@register_reward()
+class _Gaps(Reward):
+    """Test reward: word count / 10, every story unscorable at the calls
+    listed in GAPS['unscorable_calls'] (1-based, counted over the process)."""
+
+    name = "test_safety_gaps"
+
+    def _score_batch(self, stories, **context):
+        GAPS["calls"] += 1
+        if GAPS["calls"] in GAPS["unscorable_calls"]:
+            return np.full(len(stories), np.nan)
+        return np.array([len(s.split()) / 10 for s in stories])
+
+
+def gaps(*calls):
+    GAPS.update(unscorable_calls=set(calls), calls=0)
+
+
+def strict_jsonl(path):
+    def refuse(constant):
+        raise ValueError(f"{path}: {constant} is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
+def test_ppo_logs_and_checkpoints_the_last_step_and_resumes_its_logs(assets, tmp_path):
+    """logging_steps 2 / save_steps 2 over 3 steps: steps 2 and 3 logged and
+    checkpointed; history.jsonl is strict JSON (NaN written as null); a run
+    resumed from checkpoint-2 after step 3 was logged (killed before its
+    checkpoint) holds each step once."""
+    import shutil
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    gaps()
+    options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=3,
+                           rewards=["test_safety_gaps"])
+    options_["ppo"].update(logging_steps=2, save_steps=2, per_device_train_batch_size=2, num_mini_batches=1)
+    train(RLConfig.from_mapping(options_), progress=False)
+    out = tmp_path / "run"
+    history = strict_jsonl(out / "history.jsonl")
+    assert [h["step"] for h in history] == [2, 3]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert [s["step"] for s in strict_jsonl(out / "samples.jsonl")] == [2, 3]
+    shutil.rmtree(out / "checkpoint-3")
+    shutil.rmtree(out / "final")
+    gaps()
+    train(RLConfig.from_mapping(options_), resume=True, progress=False)
+    assert [h["step"] for h in strict_jsonl(out / "history.jsonl")] == [2, 3]
+    assert [s["step"] for s in strict_jsonl(out / "samples.jsonl")] == [2, 3]
+
+
+def test_ppo_an_unscorable_step_after_scored_ones_only_warns(assets, tmp_path, caplog):
+    import logging
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.train import train
+
+    options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=2,
+                           rewards=["test_safety_gaps"])
+    gaps(2)  # step 2 scores nothing
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.ppo"):
+        result = train(RLConfig.from_mapping(options_), progress=False)
+    assert result.steps == 2 and "step 2: no story was scorable" in caplog.text
+    assert [h["reward"] is None for h in result.history] == [False, True]
+    assert [h["reward"] is None for h in strict_jsonl(tmp_path / "run" / "history.jsonl")] == [False, True]
+    # resumed after a scored step (checkpoint-1), the next unscorable step only warns too
+    options_ = {**options_, "max_steps": 2, "output_dir": str(tmp_path / "again")}
+    gaps()
+    train(RLConfig.from_mapping({**options_, "max_steps": 1}), progress=False)
+    gaps(1)
+    assert train(RLConfig.from_mapping(options_), resume=True, progress=False).steps == 2
