@@ -926,3 +926,22 @@ def test_ppo_an_unscorable_step_after_scored_ones_only_warns(assets, tmp_path, c
     train(RLConfig.from_mapping({**options_, "max_steps": 1}), progress=False)
     gaps(1)
     assert train(RLConfig.from_mapping(options_), resume=True, progress=False).steps == 2
+
+
+def test_fit_checkpoint_files_after_a_kill_mid_swap(tmp_path):
+    """A kill between the renames of swap_in: last/ (new, complete) and
+    last.old both there -> resume takes last/; best.old there -> it is the
+    best/ that goes with the checkpoint and replaces a newer best/."""
+    from storyrl.training.checkpoints import TRAINER_STATE, find_checkpoint, restore_best
+
+    for name, step in (("last", 2), ("last.old", 1)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / TRAINER_STATE).write_text(json.dumps({"global_step": step}))
+    assert find_checkpoint(tmp_path) == tmp_path / "last"
+    (tmp_path / "last" / TRAINER_STATE).unlink()  # killed while last/ was written: the old one
+    assert find_checkpoint(tmp_path) == tmp_path / "last.old"
+    for name in ("best", "best.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.pt").write_text(name)
+    restore_best(tmp_path)
+    assert (tmp_path / "best" / "model.pt").read_text() == "best.old" and not (tmp_path / "best.old").exists()
