@@ -1,0 +1,154 @@
+"""examples/rl_vist on a tiny slice, so the example cannot rot: the data
+split, the prompt hook of ``train_rl.py`` (the prompts ``storyrl train rl``
+builds must be the ones the policy was pretrained on and is evaluated with)
+and the evaluation (d_HM, KL, distinct-n, table and plot) with a tiny
+pretrained policy and a tiny random coherence model. No ../shared data: the
+stories and concreteness ratings are made up here."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl_vist"
+sys.path.insert(0, str(EXAMPLE))
+
+import common
+import prepare_data
+
+SENTENCES = ["the dog ran to the park .", "we saw a big tree .", "my mom made a cake .", "the car was red .",
+             "a cat sat on the roof .", "we went to the beach .", "the kids played with a ball .",
+             "there was a church on the hill ."]
+RATINGS = {"dog": 4.9, "park": 4.6, "tree": 5.0, "mom": 4.4, "cake": 4.9, "car": 4.9, "cat": 4.9, "roof": 4.8,
+           "beach": 4.9, "kid": 4.6, "ball": 5.0, "church": 4.9, "hill": 4.7, "big": 2.9, "red": 4.1, "saw": 4.6}
+
+
+def _stories(n: int = 30) -> dict[str, str]:
+    out = {}
+    for k in range(n):
+        sentences = [SENTENCES[(k + j) % len(SENTENCES)] for j in range(5)]
+        out[str(1000 + k)] = " ".join(sentences[: 1 if k % 10 == 3 else 5])  # ids 1003, 1013, 1023: one sentence
+    return out
+
+
+@pytest.fixture
+def tiny_data(tmp_path):
+    stories = tmp_path / "gt.json"
+    stories.write_text(json.dumps(_stories()))
+    ratings = tmp_path / "concreteness.csv"
+    ratings.write_text("\ufeffWord;Conc.M\n" + "".join(f"{w};{r}\n" for w, r in RATINGS.items()))
+    summary = prepare_data.prepare(stories, tmp_path / "data", n_train=12, n_heldout=4, n_val=3,
+                                   heldout_fraction=0.2, seed=0, concreteness=ratings)
+    return tmp_path / "data", summary
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_split_by_story_id(tiny_data):
+    data, summary = tiny_data
+    train, val, held = (_read(data / f"{n}.jsonl") for n in ("train", "val", "heldout"))
+    assert (len(train), len(val), len(held)) == (12, 3, 4)
+    ids = {n: [r["story_id"] for r in rs] for n, rs in (("train", train), ("val", val), ("heldout", held))}
+    # The last 20% of the ids (1024..1029) are the held-out pool; train and val come from the rest.
+    assert all(int(i) >= 1024 for i in ids["heldout"]) and all(int(i) < 1024 for i in ids["train"] + ids["val"])
+    assert not set(ids["train"]) & set(ids["val"])
+    assert not {"1003", "1013", "1023"} & set(ids["train"] + ids["val"] + ids["heldout"])  # one-sentence stories
+    assert summary["left_out_one_sentence"] == {"train": 3, "heldout": 0}
+    record = train[0]
+    assert record["image_ids"] == [f"{record['story_id']}-{k}" for k in range(1, 6)]
+    assert record["story"] == _stories()[record["story_id"]]
+    # Concrete words in story order, one per lemma, "saw" left out as a verb; "big" is not concrete enough.
+    assert common.story_nouns("we saw a big tree . the kids saw the trees and a kid .", RATINGS) == ["tree", "kids"]
+    # Seeded: the same split again.
+    again = prepare_data.prepare(data.parent / "gt.json", data.parent / "again", 12, 4, 3, 0.2, 0,
+                                 data.parent / "concreteness.csv")
+    assert again == {**summary, "stories": again["stories"]}
+    assert (data.parent / "again" / "train.jsonl").read_text() == (data / "train.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
+    import make_albert
+    import make_policy
+    import train_rl
+    from evaluate import evaluate
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.data import build_dataset
+
+    data, _ = tiny_data
+    train = _read(data / "train.jsonl")
+    policy = tmp_path / "policy"
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 128}
+    make_policy.pretrain(train, policy, steps=60, batch_size=12, lr=1e-2, size=tiny, log_every=1000)
+
+    # The hook: storyrl's prompt dataset gets each record's nouns, as pretraining and evaluation show them.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    config = RLConfig(algorithm="grpo", model=str(policy), policy="causal_lm", data=str(data / "train.jsonl"),
+                      rewards=["repetition"], output_dir=str(tmp_path / "run"))
+    import storyrl.training.rl.data as rl_data
+
+    uninstall = train_rl.install_hook()
+    try:
+        assert rl_data.build_dataset is not build_dataset  # wrapped
+        rows = rl_data.build_dataset(config, "causal_lm", tokenizer)
+    finally:
+        uninstall()
+    assert rl_data.build_dataset is build_dataset  # the rest of the test session sees storyrl's own
+    for row, record in zip(rows, train):
+        assert row["story_id"] == record["story_id"] and row["reference"] == record["story"]
+        assert row["prompt"] == [{"role": "user", "content": common.user_prompt(record["noun_phrases"])}]
+    assert common.user_prompt(["dog", "park"]).endswith("five sentences. Things in the images: dog, park.")
+
+    # Evaluation: a tiny random coherence model, the start policy against itself and a perturbed copy.
+    import torch
+    from transformers import AlbertConfig, AutoModelForCausalLM
+
+    from storyrl.models.coherence import CoherenceModel
+
+    albert = tmp_path / "albert"
+    make_albert.save_base([r["story"] for r in train], albert, size={
+        "embedding_size": 8, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "max_position_embeddings": 128})
+    torch.manual_seed(0)
+    coherence = CoherenceModel.from_config(AlbertConfig.from_pretrained(albert))
+    coherence.eval().save_pretrained(tmp_path / "coherence", AutoTokenizer.from_pretrained(albert))
+    moved = tmp_path / "moved"
+    model = AutoModelForCausalLM.from_pretrained(policy)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
+    model.save_pretrained(moved)
+    tokenizer.save_pretrained(moved)
+    history = tmp_path / "runs" / "moved" / "history.jsonl"
+    history.parent.mkdir(parents=True)
+    history.write_text("".join(json.dumps({"step": s, "reward": 0.5 + 0.01 * s, "kl": 0.001 * s,
+                                           "entropy": 2.0, "story/distinct_2": 0.5}) + "\n" for s in range(1, 13)))
+    out = tmp_path / "eval"
+    results = evaluate(data / "heldout.jsonl", {"start": str(policy), "moved": str(moved)}, str(tmp_path / "coherence"),
+                       out, samples=2, max_new_tokens=40, runs_dir=tmp_path / "runs")
+    start, moved_r = results["policies"]["start"], results["policies"]["moved"]
+    assert results["n_sequences"] == 4
+    assert start["kl"] == pytest.approx(0.0, abs=1e-5) and moved_r["kl"] > 0.01
+    assert start["delta"]["delta"] == 0.0
+    assert start["n"] > 0 and math.isfinite(start["dhm"])  # the pretrained policy writes scorable stories
+    assert start["dhm"] == pytest.approx((start["dhm_coherence"] + start["dhm_repetition"]) / 2)
+    assert moved_r["training"]["reward_first"] == pytest.approx(0.555) and moved_r["training"]["steps"] == 12
+    assert "training" not in start or start["training"] is None
+    assert len(_read(out / "stories" / "start.jsonl")) == 8
+    assert 0.0 <= start["noun_recall"] <= 1.0
+    from evaluate import noun_recall
+
+    assert noun_recall(["the dog ran to the park.", "a cat."], [["dog", "tree"], []]) == 0.5
+    table = (out / "results.md").read_text()
+    assert "| human (held-out) |" in table and "| moved |" in table
+    assert (out / "results.png").stat().st_size > 1000
+    assert json.loads((out / "results.json").read_text())["start"] == "start"
