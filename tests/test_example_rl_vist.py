@@ -108,6 +108,10 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
         assert row["story_id"] == record["story_id"] and row["reference"] == record["story"]
         assert row["prompt"] == [{"role": "user", "content": common.user_prompt(record["noun_phrases"])}]
     assert common.user_prompt(["dog", "park"]).endswith("five sentences. Things in the images: dog, park.")
+    # The chat text the policy was pretrained on is what the trainers and the evaluation render.
+    message = [{"role": "user", "content": common.user_prompt(["dog"])}]
+    rendered = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+    assert rendered == common.chat_text(common.user_prompt(["dog"]))
 
     # Evaluation: a tiny random coherence model, the start policy against itself and a perturbed copy.
     import torch

@@ -6,9 +6,9 @@ write them as storyrl JSONL records.
 
 The split is by story id: the ids are sorted (numerically) and the last
 ``--heldout-fraction`` of them form the held-out pool, the rest the train
-pool. VIST numbers the stories of one album consecutively, so a contiguous
-split keeps albums (near-duplicate stories of the same photos) on one side,
-except at most the one album at the boundary. Stories whose human story has
+pool. Consecutive ids tend to be stories of the same album (near-duplicate
+stories of the same photos), so a contiguous split keeps them on one side,
+apart from at most the album at the boundary. Stories whose human story has
 fewer than two sentences (``storyrl.text.split_sentences``; about 3% of
 VIST test, mostly stories written without full stops) are left out of both
 pools: RoViST-NR and RoViST-C score nothing for them, so d_HM (as a reward

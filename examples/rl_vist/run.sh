@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The rl_vist experiment, end to end on CPU (about 20-25 minutes on 2 shared
+# The rl_vist experiment, end to end on CPU (13-16 minutes measured on 2 shared
 # cores; see README.md): split the VIST test human stories into train and
 # held-out sequences, pretrain a tiny storyteller and a tiny RoViST-C
 # coherence model on the train split, fine-tune the storyteller with PPO,
