@@ -945,3 +945,20 @@ def test_fit_checkpoint_files_after_a_kill_mid_swap(tmp_path):
         (tmp_path / name / "model.pt").write_text(name)
     restore_best(tmp_path)
     assert (tmp_path / "best" / "model.pt").read_text() == "best.old" and not (tmp_path / "best.old").exists()
+
+
+def test_rl_config_keeps_what_the_user_gave_and_flows_run_keys(assets, tmp_path):
+    """The user's use_cpu/bf16 win over the CPU defaults; max_steps null
+    reaches TRL as -1 (its 'not set'); a zero weight next to a non-zero one
+    is allowed, and run-level values are kept as checked (ints as floats)."""
+    from storyrl.training.rl.config import RLConfig
+
+    mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False, max_steps=None)
+    mapping["grpo"].update(use_cpu=False, bf16=False)
+    config = RLConfig.from_mapping(mapping)
+    assert config.grpo.use_cpu is False and config.grpo.max_steps == -1
+    mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False,
+                          rewards=["test_safety_words", "test_safety_chars"], reward_weights=[1, 0])
+    config = RLConfig.from_mapping(mapping)
+    assert config.reward_weights == [1.0, 0.0] and all(type(w) is float for w in config.reward_weights)
+    assert config.grpo.reward_weights == [1.0, 0.0]
