@@ -634,15 +634,16 @@ def test_reward_weights_reach_the_algorithm(assets, tmp_path, algorithm):
     assert entry["reward"] == pytest.approx(expected, rel=1e-5)
 
 
-def test_ppo_resume_without_a_checkpoint_starts_afresh(assets, tmp_path, caplog):
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_resume_without_a_checkpoint_starts_afresh(assets, tmp_path, caplog, algorithm):
     import logging
 
     from storyrl.training.rl.config import RLConfig
     from storyrl.training.rl.train import train
 
     crashing_run(None)
-    options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=1)
-    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+    options_ = run_options(assets, None, tmp_path / "run", algorithm, "text", True, max_steps=1)
+    with caplog.at_level(logging.WARNING, logger="storyrl.training"):
         result = train(RLConfig.from_mapping(options_), resume=True, progress=False)
     assert result.steps == 1 and "starting from the beginning" in caplog.text
 
