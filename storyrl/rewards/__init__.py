@@ -48,6 +48,8 @@ REWARDS.add("cosmic", "storyrl.rewards.cosmic:COSMiC",
             "COSMiC Vanilla: learned coherence-aware caption metric, each sentence with its image, mean.")
 REWARDS.add("dhm", "storyrl.rewards.dhm:DHM",
             "Minus d_HM to the human story: weighted mean |human - model| of grounding, coherence, repetition.")
+REWARDS.add("remote", "storyrl.rewards.remote:RemoteReward",
+            "A reward scored by a `storyrl serve` server over HTTP (retries, timeouts, failures are None).")
 REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",
             "Weighted sum of rewards, each optionally normalised (batch or group z-score, fixed range).")
 

@@ -42,6 +42,12 @@ class RewardError(RuntimeError):
     story), as opposed to an unscorable story, which gets NaN."""
 
 
+class FatalRewardError(RewardError):
+    """A reward failure that no retry, story by story or call by call, can
+    mend (a reward server down for good, a rejected token): trainers pass it
+    on and the run stops with its message."""
+
+
 def clean_text(text: str) -> str:
     """Replace lone surrogates (e.g. from a JSON ``"\\ud800"`` escape or a
     broken decoder) by U+FFFD so that every tokenizer accepts the text."""

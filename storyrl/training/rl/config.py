@@ -119,6 +119,9 @@ class RLConfig(Config):
     rewards: list[str | dict[str, Any]] = option(help="Rewards (TRL reward functions): registered names, reward "
                                                  "config YAML paths or mappings {reward: <name>, <option>: ...}.")
     reward_weights: list[float] | None = option(None, "One weight per reward (default: all 1).")
+    async_rewards: bool = option(False, "Run each reward in a worker thread of its own, concurrently with the "
+                                 "others (TRL's async reward functions; PPO likewise): helps with several model or "
+                                 "remote rewards. The remote reward is concurrent anyway.")
     # -- the algorithms' own options -------------------------------------------------
     ppo: PPOConfig | None = option(None, "storyrl PPOConfig keys (algorithm ppo).", cli=False)
     grpo: GRPOConfig | None = option(None, "TRL GRPOConfig keys (algorithm grpo).", cli=False)
@@ -270,6 +273,15 @@ class RLConfig(Config):
     def build_rewards(self) -> list[Any]:
         """The storyrl rewards of ``rewards``, in order (no model loaded yet)."""
         return [_reward(entry) for entry in self.rewards]
+
+    def reward_functions(self, rewards: list[Any]) -> list[Any]:
+        """The rewards as the trainers call them: with ``async_rewards``,
+        each sync one wrapped in :class:`~storyrl.rewards.concurrent.AsyncReward`."""
+        if not self.async_rewards:
+            return list(rewards)
+        from storyrl.rewards.concurrent import AsyncReward, is_async_reward
+
+        return [r if is_async_reward(r) else AsyncReward(r) for r in rewards]
 
     # -- saving -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -6,11 +6,19 @@ Each function is called once per step with TRL's keywords (``prompts``,
 ``trainer_state=None``) and every dataset column but ``prompt``. A function
 that raises on the batch is called again one completion at a time, so only
 the completions it cannot score get None; one that fails for every
-completion is an error (a broken reward, not a bad story).
+completion is an error (a broken reward, not a bad story), and a
+:class:`~storyrl.rewards.base.FatalRewardError` (a reward server down for
+good, a rejected token) is passed on at once: retrying cannot mend it.
+
+As in TRL, the synchronous functions are called first, in order, then every
+async one (``async def __call__``, e.g. the ``remote`` reward or
+:class:`~storyrl.rewards.concurrent.AsyncReward`) concurrently, on storyrl's
+reward event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections import defaultdict
@@ -18,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from storyrl.rewards.base import FatalRewardError
+from storyrl.rewards.concurrent import is_async_reward, run_sync
 
 __all__ = ["RewardBatch", "call_rewards", "combine_scores", "reward_name"]
 
@@ -45,26 +56,71 @@ class RewardBatch:
 def _call_one(func, name: str, kwargs: dict, n: int) -> tuple[list[float], int]:
     try:
         values = list(func(**kwargs))
-        errors = 0
+    except FatalRewardError:
+        raise
     except Exception as exc:  # isolate the completion(s) that break the batch
-        logger.warning("reward %r raised on a batch (%s: %s); scoring its completions one by one",
-                       name, type(exc).__name__, exc)
-        values, errors, last = [], 0, exc
-        for i in range(n):
-            one = {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
-            try:
-                got = list(func(**one))
-                values.append(got[0] if len(got) == 1 else math.nan)
-            except Exception as one_exc:
-                errors += 1
-                values.append(None)
-                last = one_exc
-        if errors >= n:
-            raise RuntimeError(f"reward {name!r} failed for every completion of the step: "
-                               f"{type(last).__name__}: {last}") from last
+        _warn_batch(name, exc)
+    else:
+        return _checked(name, values, n), 0
+    values, errors, last = [], 0, None
+    for i in range(n):
+        try:
+            values.append(_first(func(**_one(kwargs, i, n))))
+        except FatalRewardError:
+            raise
+        except Exception as one_exc:
+            errors, last = errors + 1, one_exc
+            values.append(math.nan)
+    return _finish(name, values, n, errors, last)
+
+
+async def _acall_one(func, name: str, kwargs: dict, n: int) -> tuple[list[float], int]:
+    """_call_one for an async reward function."""
+    try:
+        values = list(await func(**kwargs))
+    except FatalRewardError:
+        raise
+    except Exception as exc:  # isolate the completion(s) that break the batch
+        _warn_batch(name, exc)
+    else:
+        return _checked(name, values, n), 0
+    values, errors, last = [], 0, None
+    for i in range(n):
+        try:
+            values.append(_first(await func(**_one(kwargs, i, n))))
+        except FatalRewardError:
+            raise
+        except Exception as one_exc:
+            errors, last = errors + 1, one_exc
+            values.append(math.nan)
+    return _finish(name, values, n, errors, last)
+
+
+def _warn_batch(name: str, exc: Exception) -> None:
+    logger.warning("reward %r raised on a batch (%s: %s); scoring its completions one by one",
+                   name, type(exc).__name__, exc)
+
+
+def _one(kwargs: dict, i: int, n: int) -> dict:
+    return {k: (v[i : i + 1] if isinstance(v, list) and len(v) == n else v) for k, v in kwargs.items()}
+
+
+def _first(got: Any) -> Any:
+    got = list(got)
+    return got[0] if len(got) == 1 else math.nan
+
+
+def _finish(name: str, values: list, n: int, errors: int, last: Exception | None) -> tuple[list[float], int]:
+    if errors >= n:
+        raise RuntimeError(f"reward {name!r} failed for every completion of the step: "
+                           f"{type(last).__name__}: {last}") from last
+    return _checked(name, values, n), errors
+
+
+def _checked(name: str, values: list, n: int) -> list[float]:
     if len(values) != n:
         raise ValueError(f"reward {name!r} returned {len(values)} values for {n} completions")
-    return [math.nan if v is None else float(v) for v in values], errors
+    return [math.nan if v is None else float(v) for v in values]
 
 
 def call_rewards(funcs, names: list[str], rows: list[dict], prompts: list, completions: list,
@@ -80,9 +136,22 @@ def call_rewards(funcs, names: list[str], rows: list[dict], prompts: list, compl
                   log_extra=lambda column, values: extras.__setitem__(column, list(values)))
     out = torch.full((n, len(funcs)), math.nan)
     errors = {}
+    concurrent = [i for i, func in enumerate(funcs) if is_async_reward(func)]
     for i, (func, name) in enumerate(zip(funcs, names)):
-        values, errors[name] = _call_one(func, name, kwargs, n)
-        out[:, i] = torch.tensor(values, dtype=torch.float32)
+        if i not in concurrent:
+            values, errors[name] = _call_one(func, name, kwargs, n)
+            out[:, i] = torch.tensor(values, dtype=torch.float32)
+    if concurrent:
+        async def together():
+            return await asyncio.gather(*(_acall_one(funcs[i], names[i], kwargs, n) for i in concurrent),
+                                        return_exceptions=True)
+
+        results = run_sync(together())
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
+        for i, (values, errors[names[i]]) in zip(concurrent, results):
+            out[:, i] = torch.tensor(values, dtype=torch.float32)
     return RewardBatch(out, {k: sum(v) / len(v) for k, v in metrics.items() if v}, extras, errors)
 
 

@@ -100,7 +100,7 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
     kind = config.policy_kind()
     if kind == "tapm" and config.algorithm != "ppo":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
-    from storyrl.rewards.base import RewardError
+    from storyrl.rewards.base import FatalRewardError, RewardError
 
     rewards = config.build_rewards()
     for reward in rewards:
@@ -108,14 +108,21 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
             reward.setup()  # a reward that cannot load fails now, not after the first rollout
         except RewardError as exc:
             raise ValueError(str(exc)) from exc
+    rewards = config.reward_functions(rewards)
     policy = load_policy(config, kind)
     dataset = build_dataset(config, kind, policy.processing_class)
     _save_config(config, resume)
-    if config.algorithm == "ppo":
-        return _train_ppo(config, policy, dataset, rewards, resume, progress)
-    from storyrl.training.rl.trl_trainers import train_trl
+    try:
+        if config.algorithm == "ppo":
+            return _train_ppo(config, policy, dataset, rewards, resume, progress)
+        from storyrl.training.rl.trl_trainers import train_trl
 
-    trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
+        trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
+    except FatalRewardError as exc:
+        # A reward server down for good, a rejected token: one line, no final/.
+        from storyrl.training.runs import RunFailedError
+
+        raise RunFailedError(f"stopped: {exc}") from exc
     return RLResult(config.algorithm, config.output_dir, trainer.state.global_step, list(trainer.state.log_history))
 
 

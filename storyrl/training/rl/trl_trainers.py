@@ -42,8 +42,8 @@ from transformers import TrainerCallback
 
 from storyrl.training.rl.monitor import sample_stories, story_stats
 
-__all__ = ["HISTORY", "SAMPLES", "HistoryCallback", "MonitoredReward", "ScorableCheck", "StoryMonitor",
-           "latest_complete_checkpoint", "load_full_weights", "train_trl"]
+__all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
+           "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "train_trl"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def _finite_or_none(value: Any) -> Any:
 
 class StoryMonitor:
     """Logs the signs of reward hacking from inside the reward calls of one
-    step: the first reward's call logs the story statistics through
+    step: the first reward to report logs the story statistics through
     ``log_metric``; the last one writes ``num_samples`` sample stories with
     every reward's value and the weighted total (None when no weighted reward
     scored it) to ``samples_path`` (main process only)."""
@@ -77,7 +77,11 @@ class StoryMonitor:
     def wrap(self, rewards: Sequence[Any]) -> list[MonitoredReward]:
         if len(rewards) != len(self.weights):
             raise ValueError(f"{len(self.weights)} reward weights for {len(rewards)} rewards")
-        wrapped = [MonitoredReward(r, i, self) for i, r in enumerate(rewards)]
+        from storyrl.rewards.concurrent import is_async_reward
+
+        # An async reward keeps an async wrapper: TRL awaits it with the other async ones.
+        wrapped = [(AsyncMonitoredReward if is_async_reward(r) else MonitoredReward)(r, i, self)
+                   for i, r in enumerate(rewards)]
         self.names = [w.__name__ for w in wrapped]
         return wrapped
 
@@ -85,7 +89,12 @@ class StoryMonitor:
                kwargs: dict[str, Any]) -> None:
         from storyrl.rewards import completion_text
 
-        if index == 0:
+        # TRL calls the sync rewards in order, then the async ones together, so
+        # any reward may report first: a step starts with the first report, and
+        # a reward reporting twice means the last step did not finish.
+        if index in self._values:
+            self._values = {}
+        if not self._values:
             self._texts = [completion_text(c) for c in completions]
             self._values = {}
             ids = kwargs.get("completion_ids")
@@ -96,7 +105,7 @@ class StoryMonitor:
                     if math.isfinite(value):  # distinct-n of a batch without n-grams is NaN
                         log_metric(name, value)
         self._values[index] = list(values)
-        if index == len(self.weights) - 1:
+        if len(self._values) == len(self.weights):
             self._write_samples(kwargs.get("trainer_state"))
 
     def totals(self) -> list[float | None]:
@@ -136,6 +145,16 @@ class MonitoredReward:
 
     def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
         values = self.reward(prompts=prompts, completions=completions, **kwargs)
+        self.monitor.record(self.index, completions, values, kwargs)
+        return values
+
+
+class AsyncMonitoredReward(MonitoredReward):
+    """:class:`MonitoredReward` of an async reward function (TRL runs it
+    concurrently with its other async rewards)."""
+
+    async def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
+        values = await self.reward(prompts=prompts, completions=completions, **kwargs)
         self.monitor.record(self.index, completions, values, kwargs)
         return values
 
