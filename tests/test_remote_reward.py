@@ -1,0 +1,451 @@
+"""``reward: remote``, the client of ``storyrl serve``: over real HTTP on the
+loopback interface, its scores equal the served reward's local scores
+(batched, chunked, with context and components); a fake misbehaving server
+shows retries, backoff, timeouts, refused requests, malformed answers,
+bounded concurrency and a server that stays down. Waits between retries go
+through the reward's ``sleep`` hook, so nothing sleeps for long."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import pickle
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from starlette.applications import Starlette  # noqa: E402
+from starlette.responses import JSONResponse, Response  # noqa: E402
+from starlette.routing import Route  # noqa: E402
+
+from storyrl.integrations.server import create_app, run_in_thread  # noqa: E402
+from storyrl.rewards import create_reward, load_reward_config  # noqa: E402
+from storyrl.rewards.base import RewardError  # noqa: E402
+from storyrl.rewards.composite import build_reward  # noqa: E402
+from storyrl.rewards.remote import RemoteRewardError, RemoteRewardUnavailable  # noqa: E402
+
+STORIES = [
+    "The dog ran to the park. The dog ran to the lake. He was happy.",
+    "We went to the beach. The sun was hot. We swam all day.",
+    "one sentence only.",
+    "A cat sat. A cat sat. A cat sat.",
+    None,  # not text
+    "Grandma turned ninety. The family came. She blew out the candles.",
+    "",
+]
+REFERENCES = ["The dog ran to the park. It was fun.", "We went to the sea. It was hot.", "x", "A cat sat down.",
+              "y", "Grandma was ninety. We all came.", "z"]
+
+
+def same(a, b):
+    np.testing.assert_array_equal(np.asarray(a, dtype=float), np.asarray(b, dtype=float))
+
+
+@pytest.fixture(scope="module")
+def served():
+    """storyrl serve with repetition, and with a weighted repetition + BLEU (context and components)."""
+    weighted = {"reward": "weighted", "components": [{"reward": "repetition", "weight": 1.0},
+                                                     {"reward": "bleu", "weight": 0.5}]}
+    with run_in_thread(create_app(create_reward("repetition"))) as rep_url, \
+            run_in_thread(create_app(build_reward(weighted))) as weighted_url:
+        yield {"repetition": rep_url, "weighted": weighted_url, "weighted_spec": weighted}
+
+
+class Fake:
+    """A misbehaving reward server: ``handler(body, attempt)`` answers each
+    POST /get_reward; records requests, headers and the most requests in
+    flight at once."""
+
+    def __init__(self):
+        self.reset(None)
+
+    def reset(self, handler):
+        self.handler, self.bodies, self.headers = handler, [], []
+        self.in_flight = self.max_in_flight = 0
+
+    async def get_reward(self, request):
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return await self.handler(body, len(self.bodies))
+        finally:
+            self.in_flight -= 1
+
+
+def words(body):
+    """The fake's scores: words / 10 of each story (the query; no prompts sent)."""
+    return JSONResponse({"rewards": [len(q.split()) / 10 for q in body["query"]],
+                         "extra_logs": {"unscorable": [0.0] * len(body["query"])}})
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    fake = Fake()
+    app = Starlette(routes=[Route("/get_reward", fake.get_reward, methods=["POST"]),
+                            Route("/health", lambda request: JSONResponse({"status": "ok"}))])
+    with run_in_thread(app) as url:
+        yield fake, url
+
+
+@pytest.fixture
+def fake(fake_server):
+    server, url = fake_server
+    server.reset(None)
+    server.url = url
+    return server
+
+
+def remote(url, **options):
+    """A remote reward whose retry waits are recorded, not slept."""
+    reward = create_reward("remote", url=url, **options)
+    reward.waits = []
+
+    async def sleep(seconds):
+        reward.waits.append(seconds)
+
+    reward.sleep = sleep
+    return reward
+
+
+def dead_url():
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+# -- equal to the local reward ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("chunk_size", [64, 2, 1])
+def test_scores_equal_the_local_reward_batched_and_chunked(served, chunk_size):
+    reward = remote(served["repetition"], chunk_size=chunk_size, max_concurrency=2)
+    local = create_reward("repetition").score(STORIES)
+    assert np.isnan(local).sum() == 3  # one sentence, None, "": unscorable, not the server's fallback 0.0
+    same(reward.score(STORIES), local)
+    texts = sum(isinstance(s, str) for s in STORIES)
+    assert reward.http_stats["requests"] == math.ceil(texts / chunk_size)  # None is never sent
+    assert reward.stats["reasons"] == {"not text": 1, "unscorable on the server": 2}
+    assert reward.stats["scored"] == 4 and reward.stats["unscorable"] == 3
+
+
+def test_context_and_components_equal_the_local_trl_call(served):
+    """Per-story context (the human story) reaches the server; its extra_logs
+    come back as the reward's log_extra columns, equal to the local ones."""
+    local = build_reward(served["weighted_spec"])
+    reward = remote(served["weighted"], chunk_size=3)
+    prompts = [[{"role": "user", "content": f"Tell story {k}."}] for k in range(len(STORIES))]
+    completions = [[{"role": "assistant", "content": s}] if s is not None else None for s in STORIES]
+    logged = {"local": ({}, {}), "remote": ({}, {})}
+
+    def call(which, reward_fn):
+        extra, metrics = logged[which]
+        return reward_fn(prompts=prompts, completions=completions, reference=REFERENCES, story_id=list("abcdefg"),
+                         log_extra=extra.__setitem__, log_metric=metrics.__setitem__, trainer_state=None)
+
+    expected = call("local", local)
+    got = asyncio.run(call("remote", reward))
+    assert got == expected and sum(v is not None for v in got) == 4
+    extra, local_extra = logged["remote"][0], logged["local"][0]
+    components = {k: v for k, v in local_extra.items() if k != local.name}
+    assert components and set(extra) == set(components)
+    for column, values in components.items():
+        # The server's fallback (0.0) where a component had no value; the story itself is None.
+        assert [v for v, e in zip(extra[column], expected) if e is not None] == \
+               [v for v, e in zip(values, expected) if e is not None], column
+    assert logged["remote"][1]["remote/unscorable_frac"] == pytest.approx(3 / 7)
+    # Without the references BLEU differs: the context mattered.
+    assert asyncio.run(reward(prompts=prompts, completions=completions)) != expected
+
+
+def test_score_async_contract(served):
+    reward = remote(served["weighted"])
+    contexts = [{"reference": r} for r in REFERENCES]
+    scores, components = asyncio.run(reward.score_async(STORIES, contexts, ["p"] * len(STORIES)))
+    local = build_reward(served["weighted_spec"])
+    same(scores, local.score(STORIES, reference=REFERENCES))
+    assert set(components) == {"weighted/repetition", "weighted/bleu"}
+    assert all(v.shape == (len(STORIES),) for v in components.values())
+    assert np.isnan(components["weighted/bleu"][4])  # not text: no answer at all
+    with pytest.raises(ValueError, match="2 contexts for 7 stories"):
+        asyncio.run(reward.score_async(STORIES, contexts[:2]))
+
+
+def test_sync_score_works_inside_a_running_event_loop(served):
+    """TRL's reward loop or verl's async manager may call the sync path."""
+    reward = remote(served["repetition"])
+
+    async def inside():
+        return reward.score(STORIES)
+
+    same(asyncio.run(inside()), create_reward("repetition").score(STORIES))
+
+
+def test_remote_from_yaml_as_a_weighted_component_and_in_storyrl_score(served, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    config = tmp_path / "remote.yaml"
+    config.write_text(f"reward: remote\nurl: {served['repetition']}/get_reward\nchunk_size: 2\n")
+    reward = load_reward_config(config)
+    assert reward.endpoint == f"{served['repetition']}/get_reward" and reward.chunk_size == 2
+    local = create_reward("repetition")
+    same(reward.score(STORIES), local.score(STORIES))
+    weighted = create_reward("weighted", components=[{"reward": str(config), "weight": 2.0}])
+    same(weighted.score(STORIES), 2.0 * local.score(STORIES))
+
+    stories = tmp_path / "stories.jsonl"
+    stories.write_text("".join(json.dumps({"story_id": f"s{k}", "story": s}) + "\n"
+                               for k, s in enumerate(STORIES[:4])))
+    out = tmp_path / "scores.csv"
+    result = CliRunner().invoke(main, ["score", str(stories), "--config", str(config), "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    rows = out.read_text().splitlines()
+    values = local.score(STORIES[:4])
+    assert "remote" in rows[0] and len(rows) == 5
+    for row, value in zip(rows[1:], values):
+        cell = row.split(",")[-1]
+        assert (cell in ("", "nan") if math.isnan(value) else float(cell) == pytest.approx(value))
+
+
+def test_options_are_validated_never_coerced():
+    with pytest.raises(TypeError, match="timeout_s"):
+        create_reward("remote", url="http://h:1", timeout_s="5")
+    with pytest.raises(ValueError, match="url must be an http"):
+        create_reward("remote", url="h:1")
+    with pytest.raises(ValueError, match="set max_consecutive_failures or down_after_s"):
+        create_reward("remote", url="http://h:1", max_consecutive_failures=None)
+    with pytest.raises(ValueError, match="max_backoff_s"):
+        create_reward("remote", url="http://h:1", backoff_s=2.0, max_backoff_s=1.0)
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        create_reward("remote", url="http://h:1", chunk_size=0)
+    assert create_reward("remote", url="http://h:1", label="judge").__name__ == "judge"
+
+
+def test_pickles_before_and_after_use(served):
+    reward = remote(served["repetition"], label="rep_remote", chunk_size=2)
+    fresh = pickle.loads(pickle.dumps(reward))
+    first = reward.score(STORIES)
+    used = pickle.loads(pickle.dumps(reward))
+    for copy in (fresh, used):
+        assert copy.__name__ == "rep_remote" and copy.transport is None
+        same(copy.score(STORIES), first)
+    assert used.stats["scored"] == 2 * reward.stats["scored"]  # counters travel, the client does not
+
+
+def test_setup_checks_the_server(served):
+    assert remote(served["repetition"]).setup() is not None
+    with pytest.raises(RewardError, match="no reward server answers at .*/health"):
+        remote(dead_url(), retries=0).setup()
+
+
+# -- a misbehaving server ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [500, 503, 429])
+def test_retries_5xx_and_429_with_exponential_backoff_capped(fake, status):
+    async def handler(body, attempt):
+        return JSONResponse({"detail": "busy"}, status_code=status) if attempt <= 3 else words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=3, backoff_s=1.0, max_backoff_s=3.0)
+    same(reward.score(["a b", "a b c"]), [0.2, 0.3])
+    assert len(fake.bodies) == 4 and reward.waits == [1.0, 2.0, 3.0]
+    assert reward.http_stats == {"requests": 4, "retries": 3}
+
+
+@pytest.mark.parametrize("status", [429, 503])
+def test_retry_after_is_honoured(fake, status):
+    async def handler(body, attempt):
+        return Response(status_code=status, headers={"Retry-After": "7"}) if attempt == 1 else words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=1.0)
+    same(reward.score(["a b"]), [0.2])
+    assert reward.waits == [7.0]
+
+
+def test_retries_spent_give_nan_counted_not_a_reward(fake):
+    async def handler(body, attempt):
+        return JSONResponse({"detail": "boom"}, status_code=500)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=2, backoff_s=0.1)
+    same(reward.score(["a b", "c d e"]), [np.nan, np.nan])
+    assert len(fake.bodies) == 3 and reward.stats["reasons"]["HTTP 500"] == 2
+    assert reward.http_stats["failed"] == 1
+    assert asyncio.run(reward(prompts=None, completions=["a b"])) == [None]
+    # retries: 0 tries once
+    reward = remote(fake.url, retries=0)
+    fake.reset(handler)
+    reward.score(["a"])
+    assert len(fake.bodies) == 1 and reward.waits == []
+
+
+@pytest.mark.parametrize("status, message", [(400, "bad labels"), (401, "check token"), (422, "bad labels")])
+def test_other_4xx_raise_at_once_with_the_detail(fake, status, message):
+    async def handler(body, attempt):
+        return JSONResponse({"detail": "bad labels"}, status_code=status)
+
+    fake.reset(handler)
+    with pytest.raises(RemoteRewardError, match=f"HTTP {status}.*{message}"):
+        remote(fake.url).score(["a b"])
+    assert len(fake.bodies) == 1
+
+
+def test_token_from_the_option_or_the_environment(fake, monkeypatch):
+    async def handler(body, attempt):
+        return words(body)
+
+    fake.reset(handler)
+    monkeypatch.setenv("STORYRL_SERVE_TOKEN", "from-env")
+    remote(fake.url).score(["a"])
+    remote(fake.url, token="secret").score(["a"])
+    assert [h.get("authorization") for h in fake.headers] == ["Bearer from-env", "Bearer secret"]
+    assert "secret" not in repr(remote(fake.url, token="secret"))
+    monkeypatch.delenv("STORYRL_SERVE_TOKEN")
+    remote(fake.url).score(["a"])
+    assert "authorization" not in fake.headers[-1]
+
+
+def test_timeout_gives_nan_and_is_counted(fake):
+    async def handler(body, attempt):
+        await asyncio.sleep(2.0)
+        return words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, timeout_s=0.2, retries=1)
+    same(reward.score(["a b", "c"]), [np.nan, np.nan])
+    assert reward.stats["reasons"]["timeout"] == 2 and len(fake.bodies) == 2
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ({"rewards": [1.0]}, "wrong length"),
+    ({"rewards": [1.0, "x"]}, "malformed answer"),
+    ({"scores": None}, "malformed answer"),
+    ({"rewards": [1.0, 2.0], "extra_logs": {"unscorable": [1]}}, "malformed answer"),
+    ("not json", "malformed answer"),
+])
+def test_malformed_or_wrong_length_answers_give_nan(fake, answer, reason):
+    async def handler(body, attempt):
+        return Response("{oops") if answer == "not json" else JSONResponse(answer)
+
+    fake.reset(handler)
+    reward = remote(fake.url)
+    same(reward.score(["a b", "c"]), [np.nan, np.nan])
+    assert reward.stats["reasons"] == {reason: 2} and len(fake.bodies) == 1  # no retry: not transient
+
+
+def test_server_unscorable_flags_become_none(fake):
+    async def handler(body, attempt):
+        return JSONResponse({"rewards": [0.0, 5.0, 0.0], "extra_logs": {"unscorable": [1.0, 0.0, 1.0],
+                                                                       "part": [0.0, 2.0, 1.0]}})
+
+    fake.reset(handler)
+    reward = remote(fake.url)
+    extra = {}
+    got = asyncio.run(reward(prompts=["p"] * 3, completions=["a", "b", "c"], log_extra=extra.__setitem__))
+    assert got == [None, 5.0, None] and extra == {"part": [0.0, 2.0, 1.0]}
+    assert reward.stats["reasons"] == {"unscorable on the server": 2}
+
+
+@pytest.mark.parametrize("max_concurrency", [1, 3])
+def test_requests_in_flight_are_bounded_and_chunks_overlap(fake, max_concurrency):
+    full = asyncio.Event()
+
+    async def handler(body, attempt):
+        if fake.in_flight >= max_concurrency:
+            full.set()
+        try:  # hold each request until the bound is reached (at most 2 s)
+            await asyncio.wait_for(full.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        return words(body)
+
+    fake.reset(handler)
+    stories = [" ".join(["w"] * k) for k in range(1, 13)]
+    reward = remote(fake.url, chunk_size=2, max_concurrency=max_concurrency)
+    same(reward.score(stories), [k / 10 for k in range(1, 13)])
+    assert len(fake.bodies) == 6 and all(len(b["query"]) == 2 for b in fake.bodies)
+    assert fake.max_in_flight == max_concurrency
+
+
+def test_a_server_that_stays_down_stops_the_run(fake):
+    url = dead_url()
+    reward = remote(url, retries=1, max_consecutive_failures=2)
+    same(reward.score(["a b"]), [np.nan])  # the first failing call: NaN, counted
+    assert reward.stats["reasons"]["connection error"] == 1
+    with pytest.raises(RemoteRewardUnavailable) as caught:
+        reward.score(["a b"])
+    message = str(caught.value)
+    assert "\n" not in message and f"{url}/get_reward" in message and "connection error" in message
+    assert "storyrl serve" in message and "2 call(s) in a row" in message
+    with pytest.raises(RemoteRewardUnavailable):  # it stays an error while the server is down
+        asyncio.run(reward(prompts=None, completions=["a b"]))
+
+
+def test_a_call_that_succeeds_resets_the_count(fake):
+    async def handler(body, attempt):
+        return words(body) if attempt % 2 == 0 else JSONResponse({}, status_code=500)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=0, max_consecutive_failures=2)
+    results = [reward.score(["a b"])[0] for _ in range(6)]  # fail, ok, fail, ok, ...
+    same(results, [np.nan, 0.2] * 3)
+
+
+def test_down_after_seconds(fake, monkeypatch):
+    from storyrl.rewards import remote as remote_module
+
+    now = [100.0]
+    monkeypatch.setattr(remote_module.time, "monotonic", lambda: now[0])
+    reward = remote(dead_url(), retries=0, max_consecutive_failures=None, down_after_s=30.0)
+    for _ in range(5):  # many failures, but not for 30 s yet
+        same(reward.score(["a"]), [np.nan])
+    now[0] += 30.0
+    with pytest.raises(RemoteRewardUnavailable, match="for 30 s"):
+        reward.score(["a"])
+
+
+def test_concurrent_calls_share_the_bound(fake):
+    """verl's async manager scores one story per call, many at once."""
+    async def handler(body, attempt):
+        await asyncio.sleep(0.05)
+        return words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, max_concurrency=2)
+
+    async def many():
+        return await asyncio.gather(*(reward.score_async([" ".join(["w"] * k)]) for k in range(1, 9)))
+
+    results = asyncio.run(many())
+    assert [float(s[0]) for s, _ in results] == [k / 10 for k in range(1, 9)]
+    assert fake.max_in_flight <= 2 and len(fake.bodies) == 8
+
+
+def test_calls_from_several_threads(served):
+    reward = remote(served["repetition"], chunk_size=1)
+    local = create_reward("repetition").score(STORIES)
+    out = [None] * 4
+
+    def work(k):
+        out[k] = reward.score(STORIES)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for scores in out:
+        same(scores, local)
