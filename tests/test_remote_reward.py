@@ -449,3 +449,36 @@ def test_calls_from_several_threads(served):
         t.join(30)
     for scores in out:
         same(scores, local)
+
+
+def test_send_context_and_image_root_shape_the_labels(fake, tmp_path):
+    async def handler(body, attempt):
+        return words(body)
+
+    fake.reset(handler)
+    root = tmp_path / "images"
+    context = {"reference": ["the human story"], "story_id": ["s0"], "noun_phrases": [["a dog"]],
+               "images": [[str(root / "a" / "1.jpg"), "2.jpg", "/elsewhere/3.jpg"]],
+               "story_images": [[str(root / "4.jpg")]]}
+    remote(fake.url).score(["a b"], **context)
+    remote(fake.url, send_context=["reference", "images"], image_root=str(root)).score(["a b"], **context)
+    remote(fake.url, send_context=[]).score(["a b"], **context)
+    labels = [body["labels"][0] for body in fake.bodies]
+    # story_images take the place of images (as for local rewards); paths under image_root travel relative
+    assert labels[0] == {"reference": "the human story", "story_id": "s0", "noun_phrases": ["a dog"],
+                         "images": [str(root / "4.jpg")]}
+    assert labels[1] == {"reference": "the human story", "images": ["4.jpg"]}
+    assert labels[2] is None
+    del context["story_images"]
+    remote(fake.url, send_context=["images"], image_root=str(root)).score(["a b"], **context)
+    assert fake.bodies[-1]["labels"][0] == {"images": ["a/1.jpg", "2.jpg", "/elsewhere/3.jpg"]}
+    with pytest.raises(ValueError, match="send_context: unknown key 'story_images'"):
+        create_reward("remote", url="http://h:1", send_context=["story_images"])
+
+
+def test_prompts_travel_with_the_story_and_are_cut_off_by_the_server(served):
+    """A prompt that also occurs inside the story does not cut the story short."""
+    story = "Tell me a story. The dog ran. The dog ran to the lake. Tell me a story."
+    reward = remote(served["repetition"])
+    got = asyncio.run(reward(prompts=["Tell me a story."], completions=[story]))
+    assert got == [create_reward("repetition").score([story])[0]]

@@ -9,8 +9,11 @@ score``). The client speaks the server's protocol (POST ``/get_reward`` with
 * ``query`` is prompt + story when a prompt is given (the server takes the
   text after the prompt), ``prompts`` the prompts (a chat prompt as its JSON)
   and ``labels`` each story's context (:data:`storyrl.integrations.CONTEXT_KEYS`:
-  reference, story_id, images / story_images, image_ids, noun_phrases). The
-  server strips surrounding whitespace and trailing end-of-text markers.
+  reference, story_id, images / story_images, image_ids, noun_phrases; only
+  the keys in ``send_context`` when set). Image paths travel relative to
+  ``image_root`` (the server resolves them in its own ``--image-root`` and
+  refuses others). The server strips surrounding whitespace and trailing
+  end-of-text markers.
 * A batch is sent in requests of ``chunk_size`` stories, at most
   ``max_concurrency`` in flight per reward object (and event loop).
 * Stories the server flags ``unscorable`` are NaN (None for TRL), never its
@@ -86,6 +89,10 @@ class RemoteConfig(RewardConfig):
     max_concurrency: int = option(4, "Requests in flight at once, per reward object.", min=1)
     chunk_size: int = option(64, "Stories per request; a larger batch becomes concurrent requests.", min=1)
     token: str | None = option(None, f"Bearer token the server expects (default: ${TOKEN_ENV}, if set).")
+    send_context: list[str] | None = option(None, "Context keys sent with each story (default: every one it has); "
+                                            "e.g. [reference] for a text-only reward, [] for none.")
+    image_root: str | None = option(None, "Local directory of the images: paths under it are sent relative to it "
+                                    "(the server finds them under its --image-root).")
     max_consecutive_failures: int | None = option(3, "Stop the run when every request of this many calls in a row "
                                                   "failed (null: only down_after_s).", min=1)
     down_after_s: float | None = option(None, "Stop the run when every call failed for this many seconds "
@@ -99,6 +106,9 @@ class RemoteConfig(RewardConfig):
         if self.max_consecutive_failures is None and self.down_after_s is None:
             problems.append("set max_consecutive_failures or down_after_s: a server that stays down must stop "
                             "the run")
+        keys = ("reference", "story_id", "images", "image_ids", "noun_phrases")
+        problems += [f"send_context: unknown key {k!r}; known: {', '.join(keys)}" for k in self.send_context or ()
+                     if k not in keys]
         if self.max_backoff_s < self.backoff_s:
             problems.append(f"max_backoff_s ({self.max_backoff_s}) is below backoff_s ({self.backoff_s})")
         return problems
@@ -306,6 +316,8 @@ class RemoteReward(Reward):
             context["images"] = context.pop("story_images")
         label = {}
         for key in CONTEXT_KEYS:
+            if self.send_context is not None and key not in self.send_context:
+                continue
             value = context.get(key)
             if isinstance(value, np.ndarray):
                 value = value.tolist()
@@ -314,11 +326,21 @@ class RemoteReward(Reward):
             if value is None:
                 continue
             if isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-                label[key] = value
+                label[key] = self._relative(value) if key == "images" else value
             else:
                 self._warn_once(f"context {key}", f"context {key!r} holds {type(value).__name__} values, which "
                                 "cannot travel to the server; not sent (give file paths or ids)")
         return label or None
+
+    def _relative(self, paths: list[str]) -> list[str]:
+        if self.image_root is None:
+            return paths
+        root = os.path.abspath(self.image_root)
+        out = []
+        for path in paths:
+            full = os.path.abspath(os.path.join(root, path))
+            out.append(os.path.relpath(full, root) if os.path.commonpath([full, root]) == root else path)
+        return out
 
     async def _send(self, client, semaphore, method: str, url: str, body: Any) -> Any:
         """The JSON answer, or a _Failure once the retries are spent; raises
@@ -358,7 +380,9 @@ class RemoteReward(Reward):
             if body is None and status in (404, 405):
                 return {}  # a server without /health (not storyrl serve) that answers
             if status >= 400:
-                hint = f"; check token or ${TOKEN_ENV}" if status in (401, 403) else ""
+                hint = {401: f"; check token or ${TOKEN_ENV}", 403: f"; check token or ${TOKEN_ENV}",
+                        422: "; the remote reward's send_context and image_root options choose what is sent"}
+                hint = hint.get(status, "")
                 raise RemoteRewardError(f"reward {self.__name__!r}: the server at {url} refused the request "
                                         f"(HTTP {status}): {_detail(response)}{hint}")
             if body is None:  # the health check reads no answer
