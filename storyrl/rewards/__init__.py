@@ -12,15 +12,18 @@ from typing import Any
 
 from storyrl.registry import Registry
 from storyrl.rewards.base import ModelConfig, Reward, RewardConfig, completion_text
+from storyrl.rewards.concurrent import AsyncReward, is_async_reward
 
 __all__ = [
     "REWARDS",
+    "AsyncReward",
     "ModelConfig",
     "Reward",
     "RewardConfig",
     "completion_text",
     "create_reward",
     "get_reward_class",
+    "is_async_reward",
     "list_rewards",
     "load_reward_config",
     "register_reward",
