@@ -54,6 +54,7 @@ __all__ = [
     "resolve_fallback",
     "reward_from_config",
     "score_stories",
+    "strip_end_markers",
 ]
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,22 @@ def batch_normalized(reward: Reward) -> bool:
     if any(getattr(c, "normalize", "none") in ("batch", "group") for c in components):
         return True
     return any(batch_normalized(r) for r in getattr(reward, "component_rewards", {}).values())
+
+
+def strip_end_markers(text: str, markers: Sequence[str]) -> str:
+    """``text`` without the end markers and whitespace that trail it (at each
+    step the first of ``markers`` that ends it is removed), and without
+    leading whitespace. Linear time: the end moves back, nothing is copied
+    until the end (a query ending in 500,000 ``</s>`` is one pass)."""
+    end = len(text.rstrip())
+    markers = [m for m in markers if m]
+    while True:
+        marker = next((m for m in markers if text.endswith(m, 0, end)), None)
+        if marker is None:
+            return text[:end].strip()
+        end -= len(marker)
+        while end and text[end - 1].isspace():
+            end -= 1
 
 
 def _numbers(values: list, n: int) -> np.ndarray | None:
