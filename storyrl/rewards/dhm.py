@@ -17,7 +17,10 @@ storyrl score CSV with ``story_id`` and the ``groovist`` / ``coherence`` /
 the ``story_id`` context; otherwise the ``reference`` context (the human
 story) is scored with the same component rewards, once: the scores are cached
 by (story id, reference text), so the ``num_generations`` copies of a prompt
-in a GRPO batch and every later epoch reuse them. The reference is scored
+in a GRPO batch and every later epoch reuse them. The cache keeps the
+``human_cache_size`` most recently used references (a long-running reward
+server would otherwise grow without bound); a reference pushed out is scored
+again when it comes back, to the same values. The reference is scored
 with the sample's context (images...) except ``noun_phrases``, which belong to
 the stories being scored; give the human story's own as
 ``reference_noun_phrases``.
@@ -30,6 +33,7 @@ or for its human story, or when it has neither a table row nor a reference;
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +72,8 @@ class DhmConfig(RewardConfig):
     human_scores: str | None = option(None, "Score CSV of the human stories (story_id + groovist/coherence/"
                                       "repetition columns), looked up by the story_id context; stories not in it "
                                       "are scored from their reference.", path="file")
+    human_cache_size: int = option(50_000, "Human-story scores kept in memory, most recently used first (about "
+                                   "1 KB each; 0: none kept beyond one call).", min=0)
 
     def _problems(self) -> list[str]:
         from pathlib import Path
@@ -136,8 +142,9 @@ class DHM(CompositeReward):
         }
         weights = np.array([float((self.weights or {}).get(d, 1.0)) for d in self.dimensions])
         self.dimension_weights = dict(zip(self.dimensions, weights / weights.sum()))
-        #: (story id, reference text) -> the human story's score per dimension
-        self.human_cache: dict[tuple[str | None, str], dict[str, float]] = {}
+        #: (story id, reference text) -> the human story's score per dimension,
+        #: least recently used first, at most ``human_cache_size`` entries
+        self.human_cache: OrderedDict[tuple[str | None, str], dict[str, float]] = OrderedDict()
         self.stats["human_scored"] = 0  # references scored (not found in the cache)
         self._table, self._table_ids = None, set()
 
@@ -176,6 +183,7 @@ class DHM(CompositeReward):
                 continue
             key = (sid, ref)
             if key in self.human_cache:
+                self.human_cache.move_to_end(key)
                 for dim in self.dimensions:
                     out[dim][i] = self.human_cache[key][dim]
             else:
@@ -194,6 +202,8 @@ class DHM(CompositeReward):
                 self.human_cache[key] = entry
                 for dim in self.dimensions:
                     out[dim][index] = entry[dim]
+            while len(self.human_cache) > self.human_cache_size:
+                self.human_cache.popitem(last=False)
         return out, absent
 
     # -- scoring -----------------------------------------------------------------------
