@@ -3,30 +3,65 @@ protocol). FastAPI and uvicorn are imported only when the command runs."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
 
 from storyrl.cli.common import _FILE, _fail
 
+TOKEN_ENV = "STORYRL_SERVE_TOKEN"
+
+
+class _Finite(click.FloatRange):
+    """A float range that refuses inf and nan (nan passes every bound)."""
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
 
 @click.command("serve")
 @click.option("--config", "config", required=True, type=_FILE,
               help="Reward config YAML (configs/rewards/*.yaml): reward: <name> plus its options.")
 @click.option("--host", default="127.0.0.1", show_default=True,
-              help="Interface to listen on (0.0.0.0: every interface; the server has no authentication).")
+              help="Interface to listen on (0.0.0.0: every interface; then set a token).")
 @click.option("--port", default=5000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: a free one).")
+@click.option("--token", envvar=TOKEN_ENV, default=None, show_envvar=True,
+              help="Clients must send 'Authorization: Bearer TOKEN' (all but /health). Prefer the environment "
+                   "variable: the command line is visible to other users.")
 @click.option("--max-batch-size", default=64, show_default=True, type=click.IntRange(min=1),
               help="Most stories gathered from concurrent requests into one reward call "
                    "(a larger request is scored alone).")
-@click.option("--max-wait-ms", default=10.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--max-wait-ms", default=10.0, show_default=True, type=_Finite(0, 60_000),
               help="How long the first waiting request waits for others to join its batch.")
-@click.option("--fallback", type=float, default=None,
+@click.option("--timeout-s", default=60.0, show_default=True, type=_Finite(0, min_open=True),
+              help="Most seconds one reward call may take: its requests then get 504, and new ones 503 "
+                   "until it returns.")
+@click.option("--max-body-bytes", default=16 << 20, show_default=True, type=click.IntRange(min=1),
+              help="Largest request body (413 beyond).")
+@click.option("--max-stories-per-request", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Most stories in one request (422 beyond).")
+@click.option("--max-story-chars", default=20_000, show_default=True, type=click.IntRange(min=1),
+              help="Most characters of one story, end markers included (422 beyond).")
+@click.option("--image-root", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Directory the image paths and ids of labels are resolved in; nothing outside it is opened. "
+                   "Without it, requests naming images get 422.")
+@click.option("--max-image-pixels", default=40_000_000, show_default=True, type=click.IntRange(min=1),
+              help="Larger images (width x height, from the header) make their story unscorable, undecoded.")
+@click.option("--shutdown-timeout-s", default=10.0, show_default=True, type=_Finite(0, 3600),
+              help="On SIGTERM/SIGINT, how long open requests may finish before they get 503.")
+@click.option("--docs/--no-docs", default=False, show_default=True, help="Serve /docs and /openapi.json.")
+@click.option("--fallback", type=_Finite(), default=None,
               help="Reward of an unscorable story (JSON has no NaN) [default: $STORYRL_REWARD_FALLBACK or 0.0].")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
-def serve(config: Path, host: str, port: int, max_batch_size: int, max_wait_ms: float, fallback: float | None,
-          log_level: str) -> None:
+def serve(config: Path, host: str, port: int, token: str | None, max_batch_size: int, max_wait_ms: float,
+          timeout_s: float, max_body_bytes: int, max_stories_per_request: int, max_story_chars: int,
+          image_root: Path | None, max_image_pixels: int, shutdown_timeout_s: float, docs: bool,
+          fallback: float | None, log_level: str) -> None:
     """Serve the reward of CONFIG over HTTP for OpenRLHF (--remote_rm_url
     http://HOST:PORT/get_reward) and other trainers: POST /get_reward with
     {"query": [...], "prompts": [...], "labels": [...]} answers {"rewards":
@@ -34,16 +69,25 @@ def serve(config: Path, host: str, port: int, max_batch_size: int, max_wait_ms: 
     Concurrent requests are batched onto one reward model. The reward's
     models are loaded before the server listens."""
     try:
-        import uvicorn
-
-        from storyrl.integrations.server import create_app
+        from storyrl.integrations.server import Limits, create_app
+        from storyrl.integrations.server import serve as serve_app
     except ImportError as exc:
         _fail(f"storyrl serve needs FastAPI and uvicorn: pip install 'storyrl[serve]' ({exc})")
     from storyrl.integrations import resolve_fallback
+    from storyrl.integrations.serve_guards import is_loopback
     from storyrl.rewards import load_reward_config
 
+    if token is not None and not token.strip():
+        _fail(f"--token / {TOKEN_ENV} is empty")
     fallback = resolve_fallback(fallback)
+    limits = Limits(max_body_bytes=max_body_bytes, max_stories_per_request=max_stories_per_request,
+                    max_story_chars=max_story_chars, max_image_pixels=max_image_pixels,
+                    image_root=None if image_root is None else str(image_root))
     reward = load_reward_config(config).setup()  # a bad config or model fails here, before listening
-    app = create_app(reward, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, fallback=fallback)
+    app = create_app(reward, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, fallback=fallback,
+                     limits=limits, timeout_s=timeout_s, token=token, docs=docs)
+    if not is_loopback(host) and token is None:
+        click.echo(f"storyrl serve: WARNING: listening on {host} without a token: anyone who can reach the port "
+                   f"can use the reward and read /info; set {TOKEN_ENV} (or --token)", err=True)
     click.echo(f"storyrl serve: reward {reward.name!r} from {config} on http://{host}:{port}/get_reward", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    serve_app(app, host=host, port=port, log_level=log_level, shutdown_timeout_s=shutdown_timeout_s)

@@ -6,30 +6,46 @@ Endpoints (FastAPI app from :func:`create_app`):
 * ``POST /get_reward``: ``{"query": [...], "prompts": [...], "labels": [...]}``
   -> ``{"rewards": [...], "scores": [...], "extra_logs": {...}}`` (see
   :mod:`storyrl.integrations.openrlhf` for how stories and context are taken
-  from it). A malformed request gets 422 with ``{"detail": reason}``; a
-  reward failure 500 with the reason, for the requests it affects only.
-* ``GET /health``: ``{"status": "ok"}`` once the reward is loaded.
-* ``GET /info``: the reward's name and options, the batching settings and
-  counters (requests, stories, reward calls, their sizes, failures,
-  fallbacks).
+  from it). Answers: 200; 401 without the token (when one is set); 413 for
+  a body over the limit; 422 for a malformed request or one over a limit
+  (the reason names the limit and its option); 500 when the reward fails for
+  this request; 503 while the server shuts down or the reward worker is
+  stuck; 504 when the reward call ran past the time limit.
+* ``GET /health``: ``{"status": "ok"}`` (503 while shutting down or stuck);
+  never needs the token.
+* ``GET /info``: the reward's name, the batching settings, the limits and
+  counters; the reward's options only when the server has a token (they may
+  name files), so only to clients that hold it.
+* ``/docs``, ``/redoc``, ``/openapi.json`` only with ``docs=True``.
 
-Batching: requests go to a queue; one worker takes the first waiting request
-and adds the ones that arrive within ``max_wait_ms`` (or are already
-waiting) while the batch stays within ``max_batch_size`` stories (a larger
-request is scored alone, whole), then makes one reward call in a worker
-thread -- so a GPU reward model serves many trainer nodes -- and hands each
-request its own slice. While a call runs, new requests queue up and form the
-next batch. When a batch of several requests fails, each request is retried
-alone, so one bad request does not fail the others. (A ``weighted`` reward
-normalised per batch or group therefore normalises over the requests batched
-together; ``none`` / ``range`` normalisation does not depend on batching.)
+Batching (:class:`~storyrl.integrations.batching.RequestBatcher`): the first
+waiting request waits ``max_wait_ms`` for others while the batch stays within
+``max_batch_size`` stories, then one reward call in the worker thread scores
+them all, so one GPU reward model serves many trainer nodes. A request's
+answer depends on that request only: a failing batch is retried request by
+request; a request whose stories all came back unscorable from a shared call
+is scored alone; and the reward's "stories failing in a row" guard starts
+afresh with every call, so one client's failing stories never turn another
+client's request into a 500. A request that fails alone gets 500 batched or
+not; unscorable stories get the fallback with ``unscorable`` = 1.0. (A
+``weighted`` reward normalised per batch or group normalises over the
+requests batched together; ``none`` / ``range`` normalisation does not
+depend on batching.)
+
+Heavy work never runs on the event loop: the body is parsed and checked in a
+thread, scoring in the reward thread. A client that disconnects before its
+batch starts is dropped unscored. On shutdown (SIGTERM / SIGINT) the server
+stops accepting, lets queued and running requests finish for up to
+``shutdown_timeout_s``, answers the rest with 503 and exits; a reward call
+that never returns does not keep the process alive (daemon thread).
 
 FastAPI and uvicorn come with ``pip install 'storyrl[serve]'``; this module
-imports FastAPI, so only the ``serve`` command imports it.
+imports FastAPI and uvicorn, so only the ``serve`` command imports it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
@@ -37,16 +53,17 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import numpy as np
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StrictStr
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 import storyrl.integrations as _core
-from storyrl.integrations.batching import RequestBatcher
+from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher
 from storyrl.integrations.openrlhf import remote_reward_response, split_queries
+from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
 
-__all__ = ["create_app", "run_in_thread"]
+__all__ = ["Limits", "create_app", "run_in_thread", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +78,49 @@ class RewardRequest(BaseModel):
     labels: list[Any] | None = None
 
 
-def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, fallback: float | None = None):
+_BODY_SCHEMA = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": RewardRequest.model_json_schema()}}}}
+
+
+def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, fallback: float | None = None,
+               limits: Limits | None = None, timeout_s: float | None = 60.0, token: str | None = None,
+               docs: bool = False) -> FastAPI:
     """The FastAPI app serving ``reward`` (a storyrl Reward, set up by the
-    caller so that loading errors come before listening)."""
+    caller so that loading errors come before listening). ``limits``:
+    :class:`Limits` (default: ``storyrl serve``'s defaults, no image root);
+    ``timeout_s``: the most one reward call may take (None: no limit);
+    ``token``: required as ``Authorization: Bearer`` everywhere but
+    ``/health``; ``docs``: serve ``/docs`` and ``/openapi.json``."""
     fallback = _core.resolve_fallback(fallback)
+    limits = Limits() if limits is None else limits
+    if not isinstance(limits, Limits):
+        raise TypeError(f"limits must be a Limits, got {type(limits).__name__}")
+    if token is not None and (not isinstance(token, str) or not token.strip()):
+        raise ValueError("token must be a non-empty string (or None for no authentication)")
+    images = ImageGuard(limits)
 
     def score(stories: list[str], contexts: list[dict], prompts: list) -> _core.Scored:
+        _reset_failure_streak(reward)
         # No prompt anywhere: None, so that a reward grouping by prompt does
         # not take every story for one group.
         given = prompts if any(p is not None for p in prompts) else None
         return _core.score_stories(reward, stories, _core.context_columns(contexts), given)
 
-    batcher = RequestBatcher(score, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms)
+    batcher = RequestBatcher(score, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, timeout_s=timeout_s)
+
+    def parse(body: bytes):
+        """Stories, contexts, prompts and the stories left unscored (a
+        thread: JSON, marker stripping and image headers cost time)."""
+        try:
+            request = RewardRequest.model_validate_json(body)
+        except ValidationError as exc:
+            raise Refused(422, _reasons(exc)) from None
+        limits.check_queries(request.query, request.prompts)
+        try:
+            stories, contexts, prompts = split_queries(request.query, request.prompts, request.labels)
+        except (TypeError, ValueError) as exc:
+            raise Refused(422, str(exc)) from None
+        return stories, contexts, prompts, images.apply(contexts)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -82,67 +130,152 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
         finally:
             await batcher.stop()
 
-    app = FastAPI(title="storyrl reward server", lifespan=lifespan)
+    app = FastAPI(title="storyrl reward server", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.batcher = batcher
     app.state.reward = reward
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    if token is not None:
+        app.add_middleware(TokenAuth, token=token)  # outermost: no body is read without the token
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError):
-        batcher.stats["bad_requests"] += 1
-        reasons = []
-        for error in exc.errors():
-            loc = error.get("loc", ())[1:]
-            if error.get("type") == "json_invalid":
-                detail = (error.get("ctx") or {}).get("error", "")
-                at = f" at character {loc[0]}" if loc else ""
-                reasons.append(f"malformed JSON{at}: {detail}" if detail else f"malformed JSON{at}")
-                continue
-            where = ".".join(str(p) for p in loc) or "request body"
-            reasons.append(f"{where}: {error.get('msg')}")
-        return JSONResponse({"detail": "; ".join(reasons) or "invalid request"}, status_code=422)
-
-    @app.post("/get_reward")
-    async def get_reward(body: RewardRequest):
+    @app.post("/get_reward", openapi_extra=_BODY_SCHEMA)
+    async def get_reward(request: Request):
+        body = await request.body()
         try:
-            stories, contexts, prompts = split_queries(body.query, body.prompts, body.labels)
-        except (TypeError, ValueError) as exc:
+            stories, contexts, prompts, blocked = await asyncio.to_thread(parse, body)
+        except Refused as exc:
             batcher.stats["bad_requests"] += 1
-            return JSONResponse({"detail": str(exc)}, status_code=422)
-        if not stories:
-            return remote_reward_response(_core.Scored(np.zeros(0)), fallback)
+            return JSONResponse({"detail": exc.detail}, status_code=exc.status)
+        for reason in blocked.values():
+            batcher.stats["unscorable_images"] += 1
+            log.warning("story left unscored: %s", reason)
+        keep = [i for i in range(len(stories)) if i not in blocked]
+        if not keep:
+            return remote_reward_response(_core.Scored(np.full(len(stories), math.nan)), fallback)
+        job = asyncio.ensure_future(batcher.submit([stories[i] for i in keep], [contexts[i] for i in keep],
+                                                   [prompts[i] for i in keep]))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            scored = await batcher.submit(stories, contexts, prompts)
+            await asyncio.wait({job, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            unanswered = not job.done()
+            if unanswered:  # the client went away (or this handler is cancelled): drop the request
+                job.cancel()
+        if unanswered:
+            batcher.stats["disconnected"] += 1
+            return Response(status_code=499)  # nobody reads it
+        try:
+            part = job.result()
+        except (Busy, Closing) as exc:
+            return JSONResponse({"detail": str(exc)}, status_code=503)
+        except CallTimeout as exc:
+            return JSONResponse({"detail": f"reward {reward.name!r}: {exc} (--timeout-s)"}, status_code=504)
         except Exception as exc:
             return JSONResponse({"detail": f"reward {reward.name!r} failed: {_one_line(exc)}"}, status_code=500)
+        scored = _spread(part, keep, len(stories))
         batcher.stats["fallback"] += int(scored.unscorable.sum())
         return remote_reward_response(scored, fallback)
 
     @app.get("/health")
     async def health():
+        if batcher.stuck_since is not None:
+            return JSONResponse({"status": "stuck", "detail": "a reward call ran past --timeout-s"}, status_code=503)
+        if batcher._closing:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/info")
     async def info():
-        return {
+        answer = {
             "reward": reward.name,
-            "config": _jsonable(reward.config()),
             "max_batch_size": batcher.max_batch_size,
             "max_wait_ms": batcher.max_wait_ms,
+            "timeout_s": batcher.timeout_s,
             "fallback": fallback,
+            "limits": {k: v for k, v in vars(limits).items() if k != "image_root"},
             "stats": dict(batcher.stats),
             "batch_sizes": {str(k): v for k, v in sorted(batcher.batch_sizes.items())},
         }
+        if token is not None:  # this client holds the token (TokenAuth)
+            answer["config"] = _jsonable(reward.config())
+        return answer
 
     return app
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the
+    next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _spread(part: _core.Scored, keep: list[int], n: int) -> _core.Scored:
+    """Scores of ``keep`` placed among ``n`` stories, NaN elsewhere."""
+    if len(keep) == n:
+        return part
+
+    def full(values: np.ndarray) -> np.ndarray:
+        out = np.full(n, math.nan)
+        out[keep] = values
+        return out
+
+    return _core.Scored(full(part.scores), {k: full(v) for k, v in part.components.items()})
+
+
+def _reset_failure_streak(reward) -> None:
+    """A reward counts stories whose scoring raised in a row, across calls
+    (``MAX_ERRORS_IN_A_ROW``), to tell a broken reward from bad stories. The
+    server's calls mix clients, so the count starts afresh with every call:
+    another client's failures never decide this request's answer."""
+    if hasattr(reward, "_errors_in_a_row"):
+        reward._errors_in_a_row = 0
+    for component in getattr(reward, "component_rewards", {}).values():
+        _reset_failure_streak(component)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, draining the batcher first on shutdown: stop
+    listening, give queued and running requests ``shutdown_timeout_s``,
+    answer the rest with 503. (uvicorn alone waits for every open request
+    without a bound.)"""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float) -> None:
+        _check_shutdown_timeout(shutdown_timeout_s)
+        config.timeout_graceful_shutdown = 2  # backstop once the batcher has answered everything
+        super().__init__(config)
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()  # stop accepting first
+        batcher = getattr(getattr(self.config.app, "state", None), "batcher", None)
+        if batcher is not None:
+            await batcher.close(self.shutdown_timeout_s)
+        await super().shutdown(sockets)
+
+
+def _check_shutdown_timeout(shutdown_timeout_s: float) -> None:
+    if not (isinstance(shutdown_timeout_s, (int, float)) and math.isfinite(shutdown_timeout_s)
+            and shutdown_timeout_s >= 0):
+        raise ValueError(f"shutdown_timeout_s must be a finite number >= 0, got {shutdown_timeout_s!r}")
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 5000, log_level: str = "info",
+          shutdown_timeout_s: float = 10.0) -> None:
+    """Serve ``app`` until SIGTERM / SIGINT, then shut down within about
+    ``shutdown_timeout_s`` + 2 seconds."""
+    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"), shutdown_timeout_s).run()
+
+
 @contextmanager
-def run_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+def run_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                  shutdown_timeout_s: float = 10.0):
     """Serve ``app`` with uvicorn in a background thread; yields the base URL
     (``port`` 0 = a free port). For tests, notebooks and benchmarks."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"),
+                     shutdown_timeout_s)
     thread = threading.Thread(target=server.run, name="storyrl-serve", daemon=True)
     thread.start()
     try:
@@ -154,7 +287,21 @@ def run_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = 
         yield f"http://{host}:{bound[1]}"
     finally:
         server.should_exit = True
-        thread.join(10)
+        thread.join(shutdown_timeout_s + 10)
+
+
+def _reasons(exc: ValidationError) -> str:
+    """A validation error as one line naming each bad field."""
+    reasons = []
+    for error in exc.errors():
+        loc = error.get("loc", ())
+        if error.get("type") == "json_invalid":
+            detail = (error.get("ctx") or {}).get("error", "")
+            reasons.append(f"malformed JSON: {detail}" if detail else "malformed JSON")
+            continue
+        where = ".".join(str(p) for p in loc) or "request body"
+        reasons.append(f"{where}: {error.get('msg')}")
+    return "; ".join(reasons) or "invalid request"
 
 
 def _jsonable(value: Any) -> Any:

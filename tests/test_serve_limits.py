@@ -1,0 +1,479 @@
+"""``storyrl serve`` under bad and heavy input: limits (body, stories,
+characters, time per call), parsing off the event loop, clients that go
+away, shutdown with a request in flight, the image root and pixel limit,
+token authentication, answers that depend on the request only, option
+validation, the bounded d_HM cache and the load benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import REPO
+from PIL import Image
+from test_serve import STORIES, Spy, _hold_the_worker, _until, expected, post, story
+
+import storyrl.integrations.server as server_module
+from storyrl.cli import main
+from storyrl.integrations import strip_end_markers
+from storyrl.integrations.batching import RequestBatcher
+from storyrl.integrations.openrlhf import END_MARKERS, story_from_query
+from storyrl.integrations.server import Limits, create_app, run_in_thread
+from storyrl.rewards import create_reward
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("STORYRL_REWARD_FALLBACK", raising=False)
+    monkeypatch.delenv("STORYRL_SERVE_TOKEN", raising=False)
+
+
+class Recorder(Spy):
+    """Spy that records the stories and image contexts it scores, and whose
+    scoring raises for every story holding "BAD" (isolated per story by the
+    base class)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stories: list[str] = []
+        self.images: list = []
+
+    def score(self, stories, **context):
+        self.stories.extend(stories)
+        self.images.extend(context.get("images") or [])
+        return super().score(stories, **context)
+
+    def _score_batch(self, stories, **context):
+        if any("BAD" in s for s in stories):
+            raise ValueError("cannot score BAD")
+        return super()._score_batch(stories, **context)
+
+
+def info(url: str, **kwargs) -> dict:
+    return httpx.get(f"{url}/info", **kwargs).json()
+
+
+# -- limits ---------------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_is_a_413_naming_it_also_when_chunked():
+    spy = Spy()
+    with run_in_thread(create_app(spy, limits=Limits(max_body_bytes=1000))) as url:
+        r = post(url, {"query": ["A long story. " * 100]})  # Content-Length says it
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"] and "1000" in r.json()["detail"]
+        chunks = (b'{"query": ["' + b"x" * 100 for _ in range(50))  # no Content-Length: chunked
+        r = httpx.post(f"{url}/get_reward", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["detail"]
+        assert post(url, {"query": STORIES}).json()["rewards"] == pytest.approx(expected(STORIES))
+    assert spy.calls == [len(STORIES)]
+
+
+def test_too_many_stories_or_too_long_a_story_is_a_422_naming_the_limit():
+    spy = Spy()
+    limits = Limits(max_stories_per_request=3, max_story_chars=100)
+    with run_in_thread(create_app(spy, limits=limits)) as url:
+        r = post(url, {"query": STORIES})
+        assert r.status_code == 422 and "4 stories" in r.json()["detail"]
+        assert "--max-stories-per-request" in r.json()["detail"]
+        r = post(url, {"query": ["short. story.", "x. " * 60]})
+        assert r.status_code == 422 and "query[1]" in r.json()["detail"] and "--max-story-chars" in r.json()["detail"]
+        # the prompt is not the story: a long prompt is fine
+        prompt = "[INST] " + "Tell a story about the sea. " * 20 + "[/INST]"
+        r = post(url, {"query": [prompt + STORIES[0]], "prompts": [prompt]})
+        assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES[:1]))
+    assert spy.calls == [1]
+
+
+def test_a_query_of_500000_end_markers_is_refused_at_once_and_health_answers():
+    with run_in_thread(create_app(Spy())) as url:
+        r = post(url, {"query": ["Once upon a time." + "</s>" * 500_000]})
+        assert r.status_code == 422 and "--max-story-chars" in r.json()["detail"]
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+
+
+def test_parsing_runs_off_the_event_loop(monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    real = server_module.split_queries
+
+    def slow_split(*args):
+        entered.set()
+        assert release.wait(20)
+        return real(*args)
+
+    monkeypatch.setattr(server_module, "split_queries", slow_split)
+    results = {}
+    with run_in_thread(create_app(Spy())) as url:
+        client = threading.Thread(target=lambda: results.setdefault("r", post(url, {"query": STORIES})))
+        client.start()
+        assert entered.wait(20)
+        # the loop is free while a request is being parsed
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+        release.set()
+        client.join(30)
+    assert results["r"].json()["rewards"] == pytest.approx(expected(STORIES))
+
+
+@pytest.mark.parametrize("query", [
+    "Once upon a time.</s></s>",
+    "  a story <|im_end|>\n <|endoftext|>  </s>\n",
+    "no marker at all",
+    "</s>",
+    "  ",
+    "ends in marker text</s>x",
+    "story" + "</s> " * 1000,
+    "<pad><pad>[PAD] a b [SEP]<eos>",
+])
+def test_strip_end_markers_equals_story_from_query(query):
+    assert strip_end_markers(query, END_MARKERS) == story_from_query(query, None)
+
+
+def test_strip_end_markers_is_linear():
+    # the quadratic loop took minutes on this; one pass takes milliseconds
+    assert strip_end_markers("A story." + "</s>" * 500_000, END_MARKERS) == "A story."
+    assert strip_end_markers("x" + " <pad>\n" * 200_000, ["<pad>", ""]) == "x"
+
+
+def test_a_reward_call_past_the_time_limit_answers_504_then_503_until_it_returns():
+    spy = Spy()
+    with run_in_thread(create_app(spy, timeout_s=0.2)) as url:
+        r = post(url, {"query": ["WAIT here. WAIT there."]})
+        assert r.status_code == 504 and "0.2 s" in r.json()["detail"] and "--timeout-s" in r.json()["detail"]
+        # the call still runs in the worker thread: refused at once, and /health says so
+        assert httpx.get(f"{url}/health").status_code == 503
+        r = post(url, {"query": STORIES})
+        assert r.status_code == 503 and "busy" in r.json()["detail"]
+        spy.gate.set()
+        _until(lambda: httpx.get(f"{url}/health").status_code == 200)
+        assert post(url, {"query": STORIES}).json()["rewards"] == pytest.approx(expected(STORIES))
+        assert info(url)["stats"]["timed_out_calls"] == 1
+    assert spy.calls == [1, len(STORIES)]
+
+
+# -- clients that went away ------------------------------------------------------------------
+
+
+def _abandoned_request(url: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def test_requests_of_clients_that_disconnected_are_not_scored():
+    spy = Recorder()
+    gone = [f"GONE {i} went. It was gone." for i in range(3)]
+    with run_in_thread(create_app(spy, max_wait_ms=0)) as url:
+        held = _hold_the_worker(url, spy)
+        sockets = [_abandoned_request(url, {"query": [text]}) for text in gone]
+        _until(lambda: info(url)["stats"]["requests"] == 4)
+        for sock in sockets:
+            sock.close()
+        _until(lambda: info(url)["stats"].get("disconnected") == 3)
+        spy.gate.set()
+        held.join(30)
+        assert post(url, {"query": STORIES}).json()["rewards"] == pytest.approx(expected(STORIES))
+        assert info(url)["stats"]["dropped_requests"] == 3
+    assert not any(s.startswith("GONE") for s in spy.stories), spy.stories
+    assert spy.calls == [1, len(STORIES)]
+
+
+# -- shutdown --------------------------------------------------------------------------------
+
+_BLOCKING_SERVER = """
+import sys, threading
+from storyrl.cli import main
+from storyrl.rewards import Reward, register_reward
+
+@register_reward()
+class Stuck(Reward):
+    name = "test_stuck"
+
+    def _score_batch(self, stories, **context):
+        threading.Event().wait()  # never returns
+
+main(sys.argv[1:], prog_name="storyrl")
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_with_a_request_in_flight_stops_the_server_within_the_bound(tmp_path, sig):
+    script, config, log = tmp_path / "serve.py", tmp_path / "stuck.yaml", tmp_path / "log.txt"
+    script.write_text(_BLOCKING_SERVER)
+    config.write_text("reward: test_stuck\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script), "serve", "--config", str(config), "--port", str(port),
+                                 "--shutdown-timeout-s", "1", "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        _until(lambda: proc.poll() is not None or _healthy(url), timeout=60)
+        assert proc.poll() is None, log.read_text()
+        answer = {}
+        client = threading.Thread(target=lambda: answer.setdefault("r", post(url, {"query": STORIES})))
+        client.start()
+        _until(lambda: info(url)["stats"].get("requests") == 1)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        proc.wait(20)  # the bound is 1 s + 2 s; generous here
+        client.join(20)
+        assert time.monotonic() - start < 20
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert answer["r"].status_code == 503 and "shutting down" in answer["r"].json()["detail"], log.read_text()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def image_dirs(tmp_path):
+    root, outside = tmp_path / "images", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    Image.new("RGB", (10, 10)).save(root / "a.png")
+    Image.new("RGB", (8, 8)).save(root / "sub" / "b.png")
+    Image.new("RGB", (200, 100)).save(root / "big.png")
+    Image.new("RGB", (4, 4)).save(outside / "secret.png")
+    os.symlink(outside / "secret.png", root / "link.png")
+    return root, outside
+
+
+def test_without_an_image_root_requests_naming_images_are_refused():
+    spy = Spy()
+    with run_in_thread(create_app(spy)) as url:
+        for label in ({"images": ["a.png"]}, {"story_images": ["/etc/passwd"]}, {"image_ids": ["../../etc/hostname"]}):
+            r = post(url, {"query": STORIES[:2], "labels": [None, label]})
+            assert r.status_code == 422 and "labels[1]" in r.json()["detail"], r.text
+            assert "--image-root" in r.json()["detail"]
+    assert spy.calls == []
+
+
+def test_images_resolve_inside_the_image_root_only(image_dirs):
+    root, _ = image_dirs
+    spy = Recorder()
+    with run_in_thread(create_app(spy, limits=Limits(image_root=str(root)))) as url:
+        bad = [("/etc/passwd", "relative"), ("/dev/zero", "relative"), ("../outside/secret.png", "outside"),
+               ("sub/../../outside/secret.png", "outside"), ("link.png", "outside")]
+        for path, reason in bad:
+            r = post(url, {"query": STORIES[:2], "labels": [None, {"story_images": ["a.png", path]}]})
+            assert r.status_code == 422, (path, r.text)
+            assert "labels[1]" in r.json()["detail"] and reason in r.json()["detail"], (path, r.text)
+        r = post(url, {"query": STORIES[:1], "labels": [{"image_ids": ["../../etc/hostname"]}]})
+        assert r.status_code == 422 and "outside" in r.json()["detail"]
+        r = post(url, {"query": STORIES[:2], "labels": [{"images": ["a.png", "sub/b.png"]}, {"image_ids": ["a"]}]})
+        assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES[:2]))
+    real = os.path.realpath(root)
+    assert spy.images == [[f"{real}/a.png", f"{real}/sub/b.png"], None]  # absolute, inside the root
+
+
+def test_an_image_over_the_pixel_limit_makes_its_story_unscorable_undecoded(image_dirs, monkeypatch):
+    root, _ = image_dirs
+    spy = Recorder()
+    decoded = []
+    monkeypatch.setattr(Image.Image, "load", lambda self: decoded.append(self) or pytest.fail("decoded"))
+    limits = Limits(image_root=str(root), max_image_pixels=10_000)  # big.png has 20,000
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        labels = [{"images": ["a.png"]}, {"images": ["sub/b.png", "big.png"]}, {"images": ["a.png"]}]
+        r = post(url, {"query": STORIES[:3], "labels": labels})
+        assert r.status_code == 200
+        assert r.json()["rewards"] == pytest.approx([*expected(STORIES[:1]), -1.0, -1.0])  # STORIES[2]: 1 sentence
+        assert r.json()["extra_logs"]["unscorable"] == [0.0, 1.0, 1.0]
+        assert info(url)["stats"]["unscorable_images"] == 1
+    assert spy.stories == [STORIES[0], STORIES[2]]  # the story with the big image never reached the reward
+    assert not decoded
+
+
+# -- authentication --------------------------------------------------------------------------
+
+
+def test_a_token_guards_every_endpoint_but_health():
+    spy = Spy()
+    with run_in_thread(create_app(spy, token="s3cret")) as url:
+        good = {"Authorization": "Bearer s3cret"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            r = post(url, {"query": STORIES}, headers=headers)
+            assert r.status_code == 401 and "token" in r.json()["detail"]
+            assert httpx.get(f"{url}/info", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        assert post(url, {"query": STORIES}, headers=good).json()["rewards"] == pytest.approx(expected(STORIES))
+        assert info(url, headers=good)["config"] == {"chunk_size": 4}
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(f"{url}{path}", headers=good).status_code == 404
+    assert spy.calls == [len(STORIES)]
+
+
+def test_docs_only_when_asked_and_no_config_in_info_without_a_token():
+    with run_in_thread(create_app(Spy(), docs=True)) as url:
+        assert httpx.get(f"{url}/openapi.json").status_code == 200
+        assert httpx.get(f"{url}/docs").status_code == 200
+        assert "config" not in info(url)
+    with run_in_thread(create_app(Spy())) as url:
+        assert httpx.get(f"{url}/openapi.json").status_code == 404
+
+
+def _invoke(args, env=None):
+    return CliRunner().invoke(main, ["serve", "--config", str(REPO / "configs/rewards/repetition.yaml"), *args],
+                              env=env)
+
+
+def test_serve_warns_beyond_loopback_without_a_token(monkeypatch):
+    served = []
+    monkeypatch.setattr(server_module, "serve", lambda app, **kw: served.append((app, kw)))
+    result = _invoke(["--host", "0.0.0.0"])
+    assert result.exit_code == 0, result.output
+    assert "WARNING" in result.output and "STORYRL_SERVE_TOKEN" in result.output
+    for args, env in ((["--host", "0.0.0.0", "--token", "t"], None), (["--host", "0.0.0.0"],
+                                                                      {"STORYRL_SERVE_TOKEN": "t"}),
+                      (["--host", "127.0.0.1"], None), (["--host", "::1"], None)):
+        result = _invoke(args, env)
+        assert result.exit_code == 0 and "WARNING" not in result.output, (args, result.output)
+    assert len(served) == 5 and served[-1][1]["host"] == "::1"
+    assert _invoke(["--token", " "]).exit_code != 0
+
+
+# -- one request's answer depends on that request only ----------------------------------------
+
+
+def test_an_all_failing_request_gets_the_same_500_alone_and_batched():
+    spy = Recorder()
+    failing = ["BAD one. BAD two.", "BAD three. BAD four."]
+    clean = [story(1), story(2)]
+    with run_in_thread(create_app(spy, max_wait_ms=0)) as url:
+        alone = post(url, {"query": failing})
+        held = _hold_the_worker(url, spy)
+        results = {}
+        threads = [threading.Thread(target=lambda i=i, q=q: results.setdefault(i, post(url, {"query": q})))
+                   for i, q in enumerate((failing, clean))]
+        for thread in threads:
+            thread.start()
+        _until(lambda: info(url)["stats"]["requests"] == 4)
+        spy.gate.set()
+        for thread in threads + [held]:
+            thread.join(30)
+    assert alone.status_code == 500 and "cannot score BAD" in alone.json()["detail"]
+    assert results[0].status_code == 500 and results[0].json()["detail"] == alone.json()["detail"]
+    assert results[1].status_code == 200 and results[1].json()["rewards"] == pytest.approx(expected(clean))
+    assert spy.calls[-2:] == [4, 2]  # the shared call, then the failing request alone
+
+
+def test_unscorable_stories_get_the_fallback_alone_and_batched():
+    spy = Spy()
+    unscorable = ["one sentence.", "another one."]
+    with run_in_thread(create_app(spy, max_wait_ms=0)) as url:
+        alone = post(url, {"query": unscorable}).json()
+        held = _hold_the_worker(url, spy)
+        results = {}
+        threads = [threading.Thread(target=lambda i=i, q=q: results.setdefault(i, post(url, {"query": q}).json()))
+                   for i, q in enumerate((unscorable, STORIES[:2]))]
+        for thread in threads:
+            thread.start()
+        _until(lambda: info(url)["stats"]["requests"] == 4)
+        spy.gate.set()
+        for thread in threads + [held]:
+            thread.join(30)
+    assert alone == results[0] == {"rewards": [0.0, 0.0], "scores": [0.0, 0.0],
+                                   "extra_logs": {"unscorable": [1.0, 1.0]}}
+    assert results[1]["rewards"] == pytest.approx(expected(STORIES[:2]))
+
+
+def test_failures_of_earlier_requests_do_not_fail_a_later_one():
+    # the reward's "16 stories failing in a row" guard counts per call, not across clients
+    spy = Recorder()
+    with run_in_thread(create_app(spy)) as url:
+        assert post(url, {"query": STORIES[:1]}).status_code == 200
+        answers = [post(url, {"query": [f"BAD {i}. BAD again."]}) for i in range(20)]
+    assert [a.status_code for a in answers] == [200] * 20
+    assert all(a.json()["extra_logs"]["unscorable"] == [1.0] for a in answers)
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--max-wait-ms", "inf"], "inf is not in the range"),
+    (["--max-wait-ms", "nan"], "not a finite number"),
+    (["--max-wait-ms", "-1"], "max-wait-ms"),
+    (["--timeout-s", "0"], "timeout-s"),
+    (["--timeout-s", "nan"], "not a finite number"),
+    (["--shutdown-timeout-s", "inf"], "shutdown-timeout-s"),
+    (["--max-body-bytes", "0"], "max-body-bytes"),
+    (["--max-stories-per-request", "0"], "max-stories-per-request"),
+    (["--max-story-chars", "0"], "max-story-chars"),
+    (["--max-image-pixels", "0"], "max-image-pixels"),
+    (["--image-root", "no/such/dir"], "image-root"),
+    (["--fallback", "nan"], "not a finite number"),
+])
+def test_serve_refuses_bad_options(monkeypatch, args, message):
+    monkeypatch.setattr(server_module, "serve", lambda *a, **k: pytest.fail("served with a bad option"))
+    result = _invoke(args)
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+@pytest.mark.parametrize("kwargs", [{"max_wait_ms": math.inf}, {"max_wait_ms": math.nan}, {"max_wait_ms": -1},
+                                    {"timeout_s": math.inf}, {"timeout_s": 0}, {"max_batch_size": 0}])
+def test_the_library_refuses_bad_settings(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        RequestBatcher(lambda *a: None, **kwargs)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        create_app(Spy(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_body_bytes": 0}, {"max_story_chars": 1.5}, {"image_root": "no/such/dir"}])
+def test_limits_are_checked(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        Limits(**kwargs)
+
+
+# -- the d_HM human-score cache ----------------------------------------------------------------
+
+
+def test_the_dhm_human_cache_is_bounded_and_scores_stay_equal():
+    refs = [f"Ref {i} went out. Ref {i} came back. It was day {i}." for i in range(10)]
+    stories = [story(i) for i in range(10)]
+    want = create_reward("dhm", dimensions=["repetition"]).score(stories, reference=refs)
+    dhm = create_reward("dhm", dimensions=["repetition"], human_cache_size=3)
+    for _ in range(3):  # three epochs, two stories per call
+        got = np.concatenate([dhm.score(stories[j:j + 2], reference=refs[j:j + 2]) for j in range(0, 10, 2)])
+        np.testing.assert_allclose(got, want)
+        assert len(dhm.human_cache) <= 3
+    assert dhm.stats["human_scored"] == 30  # 10 references, 3 kept: rescored every epoch
+    dhm.score(stories[:1], reference=refs[9:10])  # recently used: still cached
+    assert dhm.stats["human_scored"] == 30
+    assert create_reward("dhm", dimensions=["repetition"]).human_cache_size == 50_000
+
+
+# -- the benchmark ---------------------------------------------------------------------------
+
+
+def test_the_load_benchmark_runs(tmp_path):
+    out = tmp_path / "figures.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/serve_load.py"), "--clients", "3", "--requests", "12",
+                    "--warmup", "2", "--json", str(out)], check=True, cwd=REPO, timeout=120, capture_output=True)
+    figures = json.loads(out.read_text())
+    assert figures["failures"] == 0 and figures["requests"] == 12 and figures["requests_per_s"] > 0
+    assert figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
