@@ -19,15 +19,15 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from starlette.applications import Starlette  # noqa: E402
-from starlette.responses import JSONResponse, Response  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
-from storyrl.integrations.server import create_app, run_in_thread  # noqa: E402
-from storyrl.rewards import create_reward, load_reward_config  # noqa: E402
-from storyrl.rewards.base import RewardError  # noqa: E402
-from storyrl.rewards.composite import build_reward  # noqa: E402
-from storyrl.rewards.remote import RemoteRewardError, RemoteRewardUnavailable  # noqa: E402
+from storyrl.integrations.server import create_app, run_in_thread
+from storyrl.rewards import create_reward, load_reward_config
+from storyrl.rewards.base import RewardError
+from storyrl.rewards.composite import build_reward
+from storyrl.rewards.remote import RemoteRewardError, RemoteRewardUnavailable
 
 STORIES = [
     "The dog ran to the park. The dog ran to the lake. He was happy.",

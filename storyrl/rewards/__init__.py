@@ -12,7 +12,6 @@ from typing import Any
 
 from storyrl.registry import Registry
 from storyrl.rewards.base import ModelConfig, Reward, RewardConfig, completion_text
-from storyrl.rewards.concurrent import AsyncReward, is_async_reward
 
 __all__ = [
     "REWARDS",
@@ -55,6 +54,15 @@ REWARDS.add("remote", "storyrl.rewards.remote:RemoteReward",
             "A reward scored by a `storyrl serve` server over HTTP (retries, timeouts, failures are None).")
 REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",
             "Weighted sum of rewards, each optionally normalised (batch or group z-score, fixed range).")
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that listing rewards imports no component module.
+    if name in ("AsyncReward", "is_async_reward"):
+        from storyrl.rewards import concurrent
+
+        return getattr(concurrent, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_reward(name: str | None = None, *, description: str | None = None):

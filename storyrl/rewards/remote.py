@@ -54,8 +54,16 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from storyrl.config import option
-from storyrl.rewards.base import _TRL_KWARGS, FatalRewardError, Reward, RewardConfig, RewardError, _as_list, _take
-from storyrl.rewards.base import completion_text
+from storyrl.rewards.base import (
+    _TRL_KWARGS,
+    FatalRewardError,
+    Reward,
+    RewardConfig,
+    RewardError,
+    _as_list,
+    _take,
+    completion_text,
+)
 
 __all__ = ["TOKEN_ENV", "RemoteConfig", "RemoteReward", "RemoteRewardError", "RemoteRewardUnavailable"]
 
