@@ -408,7 +408,7 @@ def test_down_after_seconds(fake, monkeypatch):
     from storyrl.rewards import remote as remote_module
 
     now = [100.0]
-    monkeypatch.setattr(remote_module.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(remote_module, "_clock", lambda: now[0])
     reward = remote(dead_url(), retries=0, max_consecutive_failures=None, down_after_s=30.0)
     for _ in range(5):  # many failures, but not for 30 s yet
         same(reward.score(["a"]), [np.nan])

@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 #: Environment variable with the server's Bearer token (when ``token`` is not set).
 TOKEN_ENV = "STORYRL_SERVE_TOKEN"
 _ENDPOINT = "/get_reward"
+_clock = time.monotonic  # down_after_s's clock (tests move it; the event loops keep theirs)
 
 
 class RemoteRewardError(FatalRewardError):
@@ -231,7 +232,7 @@ class RemoteReward(Reward):
             with self._lock:
                 self.stats["reasons"]["not text"] += n - len(valid)
         chunks = [valid[k : k + self.chunk_size] for k in range(0, len(valid), self.chunk_size)]
-        started = time.monotonic()
+        started = _clock()
         if chunks:
             client, semaphore = self._client()
             bodies = [self._body([stories[i] for i in c], [contexts[i] for i in c], [prompts[i] for i in c])
@@ -451,7 +452,7 @@ class RemoteReward(Reward):
             self._failed_calls += 1
             if self._down_since is None:
                 self._down_since = started
-            calls, seconds = self._failed_calls, time.monotonic() - self._down_since
+            calls, seconds = self._failed_calls, _clock() - self._down_since
             last = self._last_failure
         limit, down_after = self.max_consecutive_failures, self.down_after_s
         if (limit is not None and calls >= limit) or (down_after is not None and seconds >= down_after):
