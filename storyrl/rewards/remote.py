@@ -101,7 +101,7 @@ class RemoteConfig(RewardConfig):
     send_context: list[str] | None = option(None, "Context keys sent with each story (default: every one it has); "
                                             "e.g. [reference] for a text-only reward, [] for none.")
     image_root: str | None = option(None, "Local directory of the images: paths under it are sent relative to it "
-                                    "(the server finds them under its --image-root).")
+                                    "(the server finds them under its --image-root).", path="dir")
     max_consecutive_failures: int | None = option(3, "Stop the run when every request of this many calls in a row "
                                                   "failed (null: only down_after_s).", min=1)
     down_after_s: float | None = option(None, "Stop the run when every call failed for this many seconds "
