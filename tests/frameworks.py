@@ -71,9 +71,11 @@ def framework_path(framework: str, version: str) -> list[Path]:
     return [installed(f"{framework}-{version}", (f"{framework}=={version}",)), installed("runtime", RUNTIME)]
 
 
-def run_check(script: str, job: dict, path: list[Path], env: dict | None = None, timeout: float = 300) -> dict:
+def run_check(script: str, job: dict, path: list[Path], env: dict | None = None, timeout: float = 300,
+              capture_stderr: bool = False) -> dict:
     """Run ``framework_checks/<script>`` with ``job`` (JSON on stdin) in a
-    Python whose path ends with ``path``; returns the JSON it prints."""
+    Python whose path ends with ``path``; returns the JSON it prints (with
+    ``capture_stderr``, its stderr under ``"stderr"``)."""
     environment = dict(os.environ)
     environment.update(env or {})
     environment.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
@@ -84,4 +86,7 @@ def run_check(script: str, job: dict, path: list[Path], env: dict | None = None,
                          capture_output=True, text=True, timeout=timeout, env=environment)
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert run.returncode == 0 and lines, f"{script} failed ({run.returncode}):\n{run.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    if capture_stderr:
+        result["stderr"] = run.stderr
+    return result

@@ -16,7 +16,7 @@ import storyrl.integrations as core
 from storyrl.integrations import openrlhf, verl
 from storyrl.integrations.openrlhf import reward_func, story_from_query
 from storyrl.integrations.verl import compute_score, compute_score_batch
-from storyrl.rewards import Reward, create_reward
+from storyrl.rewards import Reward, create_reward, load_reward_config
 
 STORIES = [
     "The dog ran to the park. The dog ran to the lake. He was happy.",
@@ -271,20 +271,51 @@ def test_verl_loads_the_module_file_as_verl_does(repetition_yaml):
         pytest.approx([got])
 
 
-def test_group_normalised_reward_gets_the_prompts(tmp_path):
+@pytest.mark.parametrize("normalize", ["group", "batch"])
+def test_reward_func_refuses_batch_and_group_normalisation(tmp_path, normalize):
+    # OpenRLHF >= 0.10.2 calls reward_func with one sample: a z-score over it is 0 and the component vanishes
     config = write(tmp_path, "g.yaml", "reward: weighted\ncomponents:\n"
-                   "  - {reward: repetition, weight: 1.0, normalize: group}\n")
-    stories = [STORIES[0], STORIES[1], STORIES[3], STORIES[1]]
-    prompts = ["P1", "P1", "P2", "P2"]
-    out = reward_func([p + s for p, s in zip(prompts, stories)], prompts, None, storyrl_config=config)
-    # z-score within each prompt's pair: the better story +1, the other -1
-    raw = create_reward("repetition").score(stories)
-    want = [np.sign(raw[0] - raw[1]), np.sign(raw[1] - raw[0]), np.sign(raw[2] - raw[3]), np.sign(raw[3] - raw[2])]
-    assert 0 not in want
-    assert out["rewards"].tolist() == pytest.approx(want)
-    # without prompts (or story ids) the groups cannot be told apart: an error, not one big group
-    with pytest.raises(ValueError, match="group"):
-        reward_func(stories, None, None, storyrl_config=config)
+                   f"  - {{reward: repetition, weight: 1.0, normalize: {normalize}}}\n"
+                   "  - {reward: rouge_l, weight: 0.5}\n")
+    with pytest.raises(ValueError, match="OpenRLHF scores one sample per call.*group_norm"):
+        reward_func(["P1" + STORIES[0]], ["P1"], [HUMAN[0]], storyrl_config=config)
+    ranged = write(tmp_path, "r.yaml", "reward: weighted\ncomponents:\n"
+                   "  - {reward: repetition, weight: 1.0, normalize: range, range: [0, 2]}\n")
+    raw = create_reward("repetition").score(STORIES[:1])
+    assert reward_func(STORIES[:1], None, None, storyrl_config=ranged)["rewards"].tolist() == pytest.approx(raw / 2)
+
+
+@pytest.mark.parametrize(("config", "labels", "flag"), [
+    ("reward: rouge_l\n", ["", ""], True),
+    ("reward: bleu\n", None, True),
+    ("reward: dhm\ndimensions: [repetition]\n", ["", ""], True),
+    ("reward: weighted\ncomponents:\n  - {reward: repetition}\n  - {reward: rouge_l, weight: 0.5}\n", ["", ""], True),
+    # a reference-free reward, or a reference-based component with weight 0, scores without labels
+    ("reward: repetition\n", ["", ""], False),
+    ("reward: weighted\ncomponents:\n  - {reward: repetition}\n  - {reward: rouge_l, weight: 0}\n", ["", ""], False),
+])
+def test_reward_func_needs_the_label_key_when_the_reward_needs_the_human_story(tmp_path, config, labels, flag):
+    path = write(tmp_path, "c.yaml", config)
+    queries = STORIES[:2]
+    if flag:
+        with pytest.raises(ValueError, match=r"2 of 2 labels have none.*--data.label_key.*--label_key"):
+            reward_func(queries, None, labels, storyrl_config=path)
+        # one label given, one missing: still refused, naming the first missing one
+        with pytest.raises(ValueError, match=r"1 of 2 labels have none \(first: labels\[1\]\)"):
+            reward_func(queries, None, [HUMAN[0], ""], storyrl_config=path)
+        out = reward_func(queries, None, HUMAN[:2], storyrl_config=path)
+        assert out["rewards"].tolist() == pytest.approx(
+            load_reward_config(path).score(queries, reference=HUMAN[:2]).tolist(), rel=1e-6)
+    else:
+        out = reward_func(queries, None, labels, storyrl_config=path)
+        assert out["rewards"].tolist() == pytest.approx(load_reward_config(path).score(queries).tolist(), rel=1e-6)
+
+
+def test_dhm_with_a_human_score_table_needs_story_ids_not_references():
+    from storyrl.integrations.openrlhf import needs_reference
+
+    assert needs_reference(create_reward("dhm", dimensions=["repetition"])) == ("reference",)
+    assert needs_reference(create_reward("repetition")) is None
 
 
 class _ShiftingColumns(Reward):

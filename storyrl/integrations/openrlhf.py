@@ -1,30 +1,45 @@
 """storyrl rewards for OpenRLHF: a ``reward_func`` file and the remote
 reward protocol shared with ``storyrl serve``.
 
-OpenRLHF's ``--remote_rm_url`` takes either an HTTP endpoint or a Python file
-defining ``reward_func(queries, prompts, labels, **kwargs)``. For the file,
-pass this module's file (``python -c "import storyrl.integrations.openrlhf
-as m; print(m.__file__)"``) with the config in ``STORYRL_REWARD_CONFIG``, or
-write a one-line file of your own::
+OpenRLHF takes either an HTTP endpoint or a Python file defining
+``reward_func(queries, prompts, labels, **kwargs)``, and a dataset column
+holding each prompt's label. The flags changed in v0.10.2 (the tests run
+OpenRLHF 0.8.3, 0.10.2 and 0.11.2's own client code):
+
+==============  ========================  =====================
+OpenRLHF        reward (file or URL)      label column
+==============  ========================  =====================
+>= 0.10.2       ``--reward.remote_url``   ``--data.label_key``
+0.8.3 -- 0.10.1 ``--remote_rm_url``       ``--label_key``
+==============  ========================  =====================
+
+For the file, pass this module's file (``python -c "import
+storyrl.integrations.openrlhf as m; print(m.__file__)"``) with the config in
+``STORYRL_REWARD_CONFIG``, or a one-line file of your own::
 
     from storyrl.integrations.openrlhf import reward_func  # noqa: F401
 
-and add ``--label_key`` naming the dataset column with the human story (or
-a mapping with the story's context, below). The function returns what recent
-OpenRLHF versions take: ``{"rewards": tensor, "scores": tensor,
-"extra_logs": {name: tensor}}`` -- ``rewards`` for the advantages,
-``scores`` (the same values) for dynamic filtering, ``extra_logs`` (the
-reward's per-sample components and ``unscorable``) for the trainer's logs.
+The function returns ``{"rewards": tensor, "scores": tensor, "extra_logs":
+{name: tensor}}`` -- ``rewards`` for the advantages, ``scores`` (the same
+values) for dynamic filtering, ``extra_logs`` (the reward's per-sample
+components and ``unscorable``) for the trainer's logs. OpenRLHF reads such a
+mapping from 0.8.3 on; older versions take a bare tensor and are not
+supported.
 
-OpenRLHF runs ``reward_func`` as Ray tasks: each Ray worker process builds
-the reward once (models included) and keeps it, on the resources of a Ray
-task (a CPU unless configured otherwise). For a model-based reward, one
-``storyrl serve`` on a GPU serving every node is usually the better choice.
+How OpenRLHF calls it: before 0.10.2, in chunks of
+``--micro_rollout_batch_size`` samples as Ray tasks; from 0.10.2, once per
+sample (file: in a thread; URL: one request per sample), from each vLLM
+engine's process, which builds the reward once (models included). For a
+model reward, one ``storyrl serve`` on a GPU serving every engine is usually
+the better choice. A ``weighted`` reward normalised per ``batch`` or
+``group`` would normalise over whatever one call holds (one sample: the
+component is lost), so it is refused; OpenRLHF's ``--advantage_estimator
+group_norm`` (GRPO) normalises the total per prompt group itself.
 
 The HTTP protocol (``storyrl serve``): POST ``/get_reward`` with
 ``{"query": [...], "prompts": [...], "labels": [...]}`` (``prompts`` and
 ``labels`` optional, each as long as ``query``); the answer is the same
-mapping with lists. Older OpenRLHF versions read only ``rewards``.
+mapping with lists.
 
 Queries: OpenRLHF sends ``query`` = prompt + response decoded *with* special
 tokens. The story is the text after the first occurrence of the sample's
@@ -36,23 +51,26 @@ whitespace are removed.
 Labels: a string is the human story (``reference``); a mapping may hold any
 of :data:`storyrl.integrations.CONTEXT_KEYS` (``reference``, ``story_id``,
 ``images`` / ``story_images``, ``image_ids``, ``noun_phrases``); null is no
-context. Unscorable stories get the fallback reward (default 0.0) and
-``unscorable`` = 1.0 (see :mod:`storyrl.integrations`).
-
-A ``weighted`` reward normalised per ``batch`` or per ``group`` normalises
-over what one reward call sees: one ``reward_func`` call, or, for the
-server, the requests batched together (the prompts tell the groups apart).
-``none`` and ``range`` give values that do not depend on batching.
+context. Without a label key OpenRLHF sends ``""`` for every label: an empty
+label is no context, and a reward that needs the human story (``bleu``,
+``rouge_l``, ``dhm`` without ``human_scores``, a ``weighted`` reward with
+one of them) refuses it with an error naming the flag. Unscorable stories
+get the fallback reward (default 0.0) and ``unscorable`` = 1.0 (see
+:mod:`storyrl.integrations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import storyrl.integrations as _core
 
-__all__ = ["END_MARKERS", "remote_reward_response", "reward_func", "split_queries", "story_from_query"]
+log = logging.getLogger(__name__)
+
+__all__ = ["END_MARKERS", "check_labels", "check_reward", "needs_reference", "remote_reward_response", "reward_func",
+           "split_queries", "story_from_query"]
 
 #: End-of-text / padding markers that a decode with special tokens leaves
 #: after a response (LLaMA, GPT-2, ChatML, LLaMA-3, Gemma, Phi).
@@ -69,12 +87,7 @@ def story_from_query(query: str, prompt: str | None = None, end_markers: Sequenc
         at = query.find(prompt)
         if at >= 0:
             query = query[at + len(prompt):]
-    story = query.rstrip()
-    while True:
-        marker = next((m for m in end_markers if m and story.endswith(m)), None)
-        if marker is None:
-            return story.strip()
-        story = story[: -len(marker)].rstrip()
+    return _core.strip_end_markers(query, end_markers)
 
 
 def split_queries(queries: Sequence[Any], prompts: Sequence[Any] | None = None,
@@ -91,8 +104,59 @@ def split_queries(queries: Sequence[Any], prompts: Sequence[Any] | None = None,
             if not isinstance(value, str) and not (name == "prompts" and value is None):
                 raise TypeError(f"{name}[{i}] must be a string, got {type(value).__name__}")
     stories = [story_from_query(q, p) for q, p in zip(queries, prompts)]
-    contexts = [_core.label_context(label, f"labels[{i}]") for i, label in enumerate(labels)]
+    # "" is what OpenRLHF sends without a label key: no context, not an empty human story.
+    contexts = [_core.label_context(None if label == "" else label, f"labels[{i}]") for i, label in enumerate(labels)]
     return stories, contexts, prompts
+
+
+def check_reward(reward: Any) -> None:
+    """Refuse a reward whose values depend on which stories are scored
+    together (ValueError): OpenRLHF's calls hold one sample (>= 0.10.2) or
+    a micro-batch, never a prompt's group."""
+    if _core.batch_normalized(reward):
+        raise ValueError(
+            f"reward {reward.name!r} normalises over the batch or prompt groups, but OpenRLHF scores one sample per "
+            "call (a micro-batch before 0.10.2), so that component would be lost: use normalize: range or none, and "
+            "OpenRLHF's --advantage_estimator group_norm to normalise the total per prompt group")
+
+
+def check_labels(reward: Any, contexts: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse samples without the human story when ``reward`` needs it
+    (ValueError naming OpenRLHF's label flag): scoring them would give every
+    story the fallback."""
+    need = needs_reference(reward)
+    if need is None:
+        return
+    missing = [i for i, c in enumerate(contexts) if not any(c.get(k) for k in need)]
+    if missing:
+        raise ValueError(
+            f"reward {reward.name!r} needs each sample's {' or '.join(need)}, and {len(missing)} of {len(contexts)} "
+            f"labels have none (first: labels[{missing[0]}]); OpenRLHF sends '' without a label column: pass "
+            "--data.label_key COLUMN (--label_key before 0.10.2) naming the column with the human story or a "
+            "mapping with its context")
+
+
+def needs_reference(reward: Any) -> tuple[str, ...] | None:
+    """The context keys of which ``reward`` needs one per story to score
+    at all (the human story, or for ``dhm`` with a ``human_scores`` table its
+    ``story_id``), or None: ``bleu``/``rouge_l``, ``dhm``, and composites
+    with such a component (with a non-zero weight)."""
+    from storyrl.rewards.dhm import DHM
+    from storyrl.rewards.reference_based import ReferenceReward
+
+    if isinstance(reward, ReferenceReward):
+        return ("reference",)  # storyrl passes the single human story as 'reference'
+    if isinstance(reward, DHM):
+        return ("reference", "story_id") if reward.args.human_scores else ("reference",)
+    terms = getattr(reward, "terms", {})
+    for name, component in getattr(reward, "component_rewards", {}).items():
+        term = terms.get(name)
+        if term is not None and term.weight == 0:
+            continue
+        need = needs_reference(component)
+        if need is not None:
+            return need
+    return None
 
 
 def remote_reward_response(scored: _core.Scored, fallback: float) -> dict[str, Any]:
@@ -114,9 +178,16 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str] | None = None, la
     process; keyword arguments OpenRLHF adds are ignored."""
     import torch
 
-    stories, contexts, prompts = split_queries(queries, prompts, labels)
-    reward = _core.reward_from_config(storyrl_config)
-    fallback = _core.resolve_fallback(storyrl_fallback)
+    try:
+        stories, contexts, prompts = split_queries(queries, prompts, labels)
+        reward = _core.reward_from_config(storyrl_config)
+        check_reward(reward)
+        check_labels(reward, contexts)
+        fallback = _core.resolve_fallback(storyrl_fallback)
+    except (TypeError, ValueError) as exc:
+        # OpenRLHF >= 0.10.2 logs a failed reward call at INFO only: say it where it is seen.
+        log.error("storyrl reward_func: %s", exc)
+        raise
     scored = _core.score_stories(reward, stories, _core.context_columns(contexts), _prompts(prompts))
     answer = remote_reward_response(scored, fallback)
     return {
