@@ -364,38 +364,39 @@ def test_an_all_failing_request_gets_the_same_500_alone_and_batched():
     failing = ["BAD one. BAD two.", "BAD three. BAD four."]
     clean = [story(1), story(2)]
     with run_in_thread(create_app(spy, max_wait_ms=0)) as url:
-        alone = post(url, {"query": failing})
         held = _hold_the_worker(url, spy)
         results = {}
         threads = [threading.Thread(target=lambda i=i, q=q: results.setdefault(i, post(url, {"query": q})))
                    for i, q in enumerate((failing, clean))]
         for thread in threads:
             thread.start()
-        _until(lambda: info(url)["stats"]["requests"] == 4)
+        _until(lambda: info(url)["stats"]["requests"] == 3)
         spy.gate.set()
         for thread in threads + [held]:
             thread.join(30)
+        alone = post(url, {"query": failing})
     assert alone.status_code == 500 and "cannot score BAD" in alone.json()["detail"]
     assert results[0].status_code == 500 and results[0].json()["detail"] == alone.json()["detail"]
     assert results[1].status_code == 200 and results[1].json()["rewards"] == pytest.approx(expected(clean))
-    assert spy.calls[-2:] == [4, 2]  # the shared call, then the failing request alone
+    assert spy.calls == [1, 4, 2, 2]  # held; the shared call, then the failing request alone; alone again
 
 
 def test_unscorable_stories_get_the_fallback_alone_and_batched():
     spy = Spy()
     unscorable = ["one sentence.", "another one."]
     with run_in_thread(create_app(spy, max_wait_ms=0)) as url:
-        alone = post(url, {"query": unscorable}).json()
         held = _hold_the_worker(url, spy)
         results = {}
         threads = [threading.Thread(target=lambda i=i, q=q: results.setdefault(i, post(url, {"query": q}).json()))
                    for i, q in enumerate((unscorable, STORIES[:2]))]
         for thread in threads:
             thread.start()
-        _until(lambda: info(url)["stats"]["requests"] == 4)
+        _until(lambda: info(url)["stats"]["requests"] == 3)
         spy.gate.set()
         for thread in threads + [held]:
             thread.join(30)
+        alone = post(url, {"query": unscorable}).json()
+    assert spy.calls[:2] == [1, 4]  # held, then the two requests in one call
     assert alone == results[0] == {"rewards": [0.0, 0.0], "scores": [0.0, 0.0],
                                    "extra_logs": {"unscorable": [1.0, 1.0]}}
     assert results[1]["rewards"] == pytest.approx(expected(STORIES[:2]))
