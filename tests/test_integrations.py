@@ -345,3 +345,93 @@ def test_verl_dicts_keep_the_keys_of_the_first_call(monkeypatch):
     assert first == {"score": 2.0, "part1": 1.0, "unscorable": 0.0}
     # verl stacks each key over samples: a key missing from one sample would misalign them
     assert second == {"score": 3.0, "part1": 0.0, "unscorable": 0.0}
+
+
+# -- verl's reward loop: compute_score_async and GDPO ----------------------------------
+
+
+class _CallSpy(Reward):
+    """Records the stories of each call; score = story length."""
+
+    name = "test_integrations_calls"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def _score_batch(self, stories, **context):
+        self.calls.append(list(stories))
+        return np.array([float(len(s)) for s in stories])
+
+
+def _gather(calls):
+    import asyncio
+
+    async def main():
+        return await asyncio.gather(*calls())
+
+    return asyncio.run(main())
+
+
+def test_verl_async_calls_of_one_loop_share_reward_calls(monkeypatch):
+    spy = _CallSpy()
+    monkeypatch.setattr(core, "reward_from_config", lambda config=None: spy)
+    stories = [f"story {'x' * i}" for i in range(7)]
+
+    out = _gather(lambda: [verl.compute_score_async("v", s, None, storyrl_wait_ms=1000) for s in stories])
+    assert out == [float(len(s)) for s in stories]  # each call gets its own story's score
+    assert len(spy.calls) == 1 and sorted(spy.calls[0]) == sorted(stories)
+    spy.calls.clear()
+    out = _gather(lambda: [verl.compute_score_async("v", s, None, storyrl_wait_ms=1000, storyrl_batch_size=3)
+                           for s in stories])
+    assert out == [float(len(s)) for s in stories]
+    assert [len(c) for c in spy.calls] == [3, 3, 1]
+    spy.calls.clear()
+    # the sync form: one reward call per story
+    assert [verl.compute_score("v", s, None) for s in stories[:2]] == [float(len(s)) for s in stories[:2]]
+    assert spy.calls == [[stories[0]], [stories[1]]]
+
+
+def test_verl_async_refuses_a_group_normalised_reward(tmp_path):
+    config = write(tmp_path, "g.yaml", "reward: weighted\ncomponents:\n"
+                   "  - {reward: repetition, weight: 1.0, normalize: group}\n")
+    with pytest.raises(ValueError, match="storyrl_gdpo"):
+        _gather(lambda: [verl.compute_score_async("v", STORIES[0], None, {"story_id": "a"}, storyrl_config=config)])
+
+
+def test_verl_gdpo_gives_raw_components_whatever_the_company(tmp_path):
+    config = write(tmp_path, "g.yaml", "reward: weighted\ncomponents:\n"
+                   "  - {reward: repetition, weight: 0.25, normalize: group}\n"
+                   "  - {reward: rouge_l, weight: 2.0, normalize: range, range: [0, 0.5]}\n"
+                   "  - {reward: bleu, weight: 0}\n")
+    repetition = create_reward("repetition").score(STORIES)
+    rouge = create_reward("rouge_l").score(STORIES, reference=HUMAN)
+    ids = ["a", "a", "b", "b"]
+    alone = [verl.compute_score("v", s, h, {"story_id": i}, storyrl_config=config, storyrl_gdpo=True)
+             for s, h, i in zip(STORIES, HUMAN, ids)]
+    together = _gather(lambda: [verl.compute_score_async("v", s, h, {"story_id": i}, storyrl_config=config,
+                                                         storyrl_gdpo=True, storyrl_wait_ms=1000)
+                                for s, h, i in zip(STORIES, HUMAN, ids)])
+    assert alone == together  # one story's values do not depend on the others scored with it
+    for k, result in enumerate(alone):
+        assert result["weighted/rouge_l"] == pytest.approx(rouge[k])
+        if math.isnan(repetition[k]):  # unscorable: flagged, and the fallback everywhere
+            assert result["unscorable"] == 1.0 and result["score"] == 0.0
+            continue
+        assert result["weighted/repetition"] == pytest.approx(repetition[k])
+        # the logged total: weights on the raw values (a range still maps to [0, 1])
+        assert result["score"] == pytest.approx(0.25 * repetition[k] + 2.0 * rouge[k] / 0.5)
+    assert verl.gdpo_settings(config)["gdpo_reward_keys"] == ["weighted/repetition", "weighted/rouge_l"]
+    with pytest.raises(TypeError, match="storyrl_gdpo must be true or false"):
+        verl.compute_score("v", STORIES[0], None, storyrl_config=config, storyrl_gdpo="yes")
+    # a reward without group normalisation is scored as it is
+    plain = write(tmp_path, "p.yaml", "reward: repetition\n")
+    assert verl.compute_score("v", STORIES[0], None, storyrl_config=plain, storyrl_gdpo=True) == pytest.approx(
+        repetition[0])
+
+
+def test_verl_ground_truth_read_back_from_parquet_as_a_numpy_scalar(monkeypatch):
+    spy = _ContextSpy()
+    monkeypatch.setattr(core, "reward_from_config", lambda config=None: spy)
+    verl.compute_score("v", "story", np.array("the human story", dtype=object))
+    assert spy.context == {"reference": ["the human story"]}
