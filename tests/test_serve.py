@@ -13,13 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
 from click.testing import CliRunner
-
 from conftest import REPO
+
 from storyrl.cli import main
 from storyrl.integrations.server import create_app, run_in_thread
 from storyrl.rewards import Reward, create_reward, register_reward
@@ -366,3 +367,36 @@ def test_prompts_reach_a_group_normalised_reward():
     with run_in_thread(create_app(weighted)) as url:
         answer = post(url, {"query": stories, "prompts": ["P1", "P1", "P2", "P2"]}).json()
     assert answer["rewards"] == pytest.approx(want)
+
+
+def test_a_group_normalised_reward_scores_each_request_alone():
+    weighted = create_reward("weighted", components=[{"reward": "repetition", "weight": 1.0, "normalize": "group"}])
+    first = {"query": [STORIES[0], STORIES[1]], "prompts": ["P", "P"]}
+    second = {"query": [STORIES[3], STORIES[1], STORIES[0]], "prompts": ["P", "P", "P"]}
+    # concurrent, same prompt: one batch and one group, unless requests are kept apart
+    with run_in_thread(create_app(weighted, max_batch_size=64, max_wait_ms=500)) as url, ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda body: post(url, body).json(), [first, second]))
+    for body, answer in zip([first, second], answers):
+        raw = create_reward("repetition").score(body["query"])
+        want = (raw - raw.mean()) / raw.std()  # the request's own group, and nobody else's
+        assert answer["rewards"] == pytest.approx(list(want))
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    ({"query": [STORIES[0]], "prompts": ["P"]}, "1 stories in 1 group"),
+    ({"query": [STORIES[0], STORIES[1], STORIES[3]], "prompts": ["P", "P", "Q"]}, "some of one story"),
+])
+def test_a_group_normalised_reward_refuses_groups_of_one(body, says):
+    weighted = create_reward("weighted", components=[{"reward": "repetition", "weight": 1.0, "normalize": "group"}])
+    with run_in_thread(create_app(weighted)) as url:
+        r = post(url, body)
+    assert r.status_code == 422 and says in r.json()["detail"] and "group_norm" in r.json()["detail"]
+
+
+def test_requests_without_the_human_story_name_the_label_flag():
+    with run_in_thread(create_app(create_reward("rouge_l"))) as url:
+        r = post(url, {"query": STORIES[:2], "labels": ["", ""]})
+        assert r.status_code == 422 and "--data.label_key" in r.json()["detail"]
+        ok = post(url, {"query": STORIES[:2], "labels": STORIES[1:3]})
+    assert ok.json()["rewards"] == pytest.approx(list(create_reward("rouge_l").score(STORIES[:2],
+                                                                                      reference=STORIES[1:3])))

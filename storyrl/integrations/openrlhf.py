@@ -62,6 +62,7 @@ get the fallback reward (default 0.0) and ``unscorable`` = 1.0 (see
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -69,7 +70,7 @@ import storyrl.integrations as _core
 
 log = logging.getLogger(__name__)
 
-__all__ = ["END_MARKERS", "check_labels", "check_reward", "needs_reference", "remote_reward_response", "reward_func",
+__all__ = ["END_MARKERS", "check_company", "check_labels", "check_reward", "needs_reference", "remote_reward_response", "reward_func",
            "split_queries", "story_from_query"]
 
 #: End-of-text / padding markers that a decode with special tokens leaves
@@ -118,6 +119,27 @@ def check_reward(reward: Any) -> None:
             f"reward {reward.name!r} normalises over the batch or prompt groups, but OpenRLHF scores one sample per "
             "call (a micro-batch before 0.10.2), so that component would be lost: use normalize: range or none, and "
             "OpenRLHF's --advantage_estimator group_norm to normalise the total per prompt group")
+
+
+def check_company(reward: Any, contexts: Sequence[Mapping[str, Any]], prompts: Sequence[str | None]) -> None:
+    """For a reward normalised per batch or group, scored one request at a
+    time (``storyrl serve``): refuse a request holding fewer than two stories
+    (batch) or a group of one (stories told apart by prompt and ``story_id``,
+    as the ``weighted`` reward groups them), whose z-score would be 0 and the
+    component lost (ValueError)."""
+    if not _core.batch_normalized(reward):
+        return
+    from storyrl.rewards.composite import prompt_key
+
+    given = any(p is not None for p in prompts)
+    keys = [(prompt_key(p) if given else None, c.get("story_id")) for p, c in zip(prompts, contexts)]
+    sizes = Counter(keys)
+    if len(keys) < 2 or any(sizes[k] < 2 for k in keys):
+        raise ValueError(
+            f"reward {reward.name!r} normalises over the batch or prompt groups, and this request holds "
+            f"{len(keys)} stories in {len(sizes)} group(s), some of one story: send each prompt's samples in one "
+            "request (OpenRLHF >= 0.10.2 sends one per request: use normalize: range or none there, with "
+            "--advantage_estimator group_norm)")
 
 
 def check_labels(reward: Any, contexts: Sequence[Mapping[str, Any]]) -> None:

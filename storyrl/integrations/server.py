@@ -27,10 +27,12 @@ request; a request whose stories all came back unscorable from a shared call
 is scored alone; and the reward's "stories failing in a row" guard starts
 afresh with every call, so one client's failing stories never turn another
 client's request into a 500. A request that fails alone gets 500 batched or
-not; unscorable stories get the fallback with ``unscorable`` = 1.0. (A
-``weighted`` reward normalised per batch or group normalises over the
-requests batched together; ``none`` / ``range`` normalisation does not
-depend on batching.)
+not; unscorable stories get the fallback with ``unscorable`` = 1.0. A
+``weighted`` reward normalised per batch or group is scored one request at a
+time (a request is its batch), and a request with a group of one story
+(grouped by prompt and ``story_id``), or one story in all, is a 422: its
+z-score would be 0. Requests lacking the human story for a reward that needs
+it are a 422 naming OpenRLHF's label flag.
 
 Heavy work never runs on the event loop: the body is parsed and checked in a
 thread, scoring in the reward thread. A client that disconnects before its
@@ -60,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 import storyrl.integrations as _core
 from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher
-from storyrl.integrations.openrlhf import remote_reward_response, split_queries
+from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
 from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
 
 __all__ = ["Limits", "create_app", "run_in_thread", "serve"]
@@ -106,6 +108,11 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
         given = prompts if any(p is not None for p in prompts) else None
         return _core.score_stories(reward, stories, _core.context_columns(contexts), given)
 
+    if _core.batch_normalized(reward):
+        # Normalised over what one call sees: each request is its own batch, never mixed with others'.
+        log.warning("reward %r normalises over the batch or prompt groups: each request is scored alone and must "
+                    "hold whole groups", reward.name)
+        max_batch_size = 1
     batcher = RequestBatcher(score, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, timeout_s=timeout_s)
 
     def parse(body: bytes):
@@ -118,6 +125,8 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
         limits.check_queries(request.query, request.prompts)
         try:
             stories, contexts, prompts = split_queries(request.query, request.prompts, request.labels)
+            check_labels(reward, contexts)
+            check_company(reward, contexts, prompts)
         except (TypeError, ValueError) as exc:
             raise Refused(422, str(exc)) from None
         return stories, contexts, prompts, images.apply(contexts)
