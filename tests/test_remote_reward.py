@@ -161,8 +161,11 @@ def test_context_and_components_equal_the_local_trl_call(served):
         assert [v for v, e in zip(extra[column], expected) if e is not None] == \
                [v for v, e in zip(values, expected) if e is not None], column
     assert logged["remote"][1]["remote/unscorable_frac"] == pytest.approx(3 / 7)
-    # Without the references BLEU differs: the context mattered.
-    assert asyncio.run(reward(prompts=prompts, completions=completions)) != expected
+    # Other references give other BLEU scores: the context travelled.
+    assert asyncio.run(reward(prompts=prompts, completions=completions, reference=REFERENCES[::-1])) != expected
+    # None at all is the server's 422 (the reward needs them): raised at once, not a reward.
+    with pytest.raises(RemoteRewardError, match="HTTP 422.*reference"):
+        asyncio.run(reward(prompts=prompts, completions=completions))
 
 
 def test_score_async_contract(served):
@@ -482,3 +485,18 @@ def test_prompts_travel_with_the_story_and_are_cut_off_by_the_server(served):
     reward = remote(served["repetition"])
     got = asyncio.run(reward(prompts=["Tell me a story."], completions=[story]))
     assert got == [create_reward("repetition").score([story])[0]]
+
+
+def test_a_prompt_group_stays_in_one_request(fake):
+    """A group-normalised served reward must see whole groups: requests of up
+    to chunk_size stories, split between prompts only."""
+    async def handler(body, attempt):
+        return words(body)  # the query is prompt + story: "p1" + "w w" counts 2 words
+
+    fake.reset(handler)
+    prompts = ["p1"] * 3 + ["p2"] * 3 + ["p3"] * 2 + [None, None]
+    stories = [" ".join(["w"] * k) for k in range(1, 11)]
+    got = asyncio.run(remote(fake.url, chunk_size=4)(prompts=prompts, completions=stories))
+    assert got == pytest.approx([k / 10 for k in range(1, 11)])
+    sent = sorted((b["prompts"] for b in fake.bodies), key=str)
+    assert sent == sorted([["p1"] * 3, ["p2"] * 3, ["p3", "p3", None, None]], key=str)

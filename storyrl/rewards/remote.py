@@ -14,7 +14,9 @@ score``). The client speaks the server's protocol (POST ``/get_reward`` with
   ``image_root`` (the server resolves them in its own ``--image-root`` and
   refuses others). The server strips surrounding whitespace and trailing
   end-of-text markers.
-* A batch is sent in requests of ``chunk_size`` stories, at most
+* A batch is sent in requests of up to ``chunk_size`` stories, a prompt's
+  stories in the same request (a reward normalised per group needs whole
+  groups; one normalised per batch sees each request as its batch), at most
   ``max_concurrency`` in flight per reward object (and event loop).
 * Stories the server flags ``unscorable`` are NaN (None for TRL), never its
   fallback number; its ``extra_logs`` columns are the reward's ``log_extra``
@@ -231,7 +233,7 @@ class RemoteReward(Reward):
         if len(valid) < n:
             with self._lock:
                 self.stats["reasons"]["not text"] += n - len(valid)
-        chunks = [valid[k : k + self.chunk_size] for k in range(0, len(valid), self.chunk_size)]
+        chunks = self._chunks(valid, [_prompt_key(prompts[i]) for i in valid])
         started = _clock()
         if chunks:
             client, semaphore = self._client()
@@ -292,6 +294,21 @@ class RemoteReward(Reward):
         if callable(log_metric) and len(scores):
             log_metric(f"{self.__name__}/unscorable_frac", float(np.isnan(scores).mean()))
         return [None if math.isnan(s) else float(s) for s in scores]
+
+    def _chunks(self, valid: list[int], keys: list[str | None]) -> list[list[int]]:
+        """``valid`` in requests of at most ``chunk_size`` stories, a prompt's
+        stories kept together (a reward normalised per prompt group sees
+        whole groups; a group over ``chunk_size`` is one request)."""
+        groups: dict[Any, list[int]] = {}
+        for k, (i, key) in enumerate(zip(valid, keys)):
+            groups.setdefault(key if key is not None else ("no prompt", k), []).append(i)
+        chunks: list[list[int]] = []
+        for group in groups.values():
+            if chunks and len(chunks[-1]) + len(group) <= self.chunk_size:
+                chunks[-1].extend(group)
+            else:
+                chunks.append(list(group))
+        return chunks
 
     # -- HTTP -------------------------------------------------------------------
     def _client(self) -> tuple[Any, asyncio.Semaphore]:
