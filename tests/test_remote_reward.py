@@ -500,3 +500,9 @@ def test_a_prompt_group_stays_in_one_request(fake):
     assert got == pytest.approx([k / 10 for k in range(1, 11)])
     sent = sorted((b["prompts"] for b in fake.bodies), key=str)
     assert sent == sorted([["p1"] * 3, ["p2"] * 3, ["p3", "p3", None, None]], key=str)
+    # A group over chunk_size is split; story_id tells groups of one prompt apart.
+    fake.reset(handler)
+    asyncio.run(remote(fake.url, chunk_size=2)(prompts=["p"] * 6, completions=stories[:6],
+                                                  story_id=["a", "b", "a", "b", "b", "b"]))
+    sent = sorted(([label["story_id"] for label in b["labels"]] for b in fake.bodies), key=str)
+    assert sent == [["a", "a"], ["b", "b"], ["b", "b"]]

@@ -14,9 +14,11 @@ score``). The client speaks the server's protocol (POST ``/get_reward`` with
   ``image_root`` (the server resolves them in its own ``--image-root`` and
   refuses others). The server strips surrounding whitespace and trailing
   end-of-text markers.
-* A batch is sent in requests of up to ``chunk_size`` stories, a prompt's
-  stories in the same request (a reward normalised per group needs whole
-  groups; one normalised per batch sees each request as its batch), at most
+* A batch is sent in requests of up to ``chunk_size`` stories, a group's
+  stories (same prompt and story_id) in the same request when they fit (a
+  reward normalised per group needs whole groups: keep ``chunk_size`` at
+  least the group size; one normalised per batch sees each request as its
+  batch), at most
   ``max_concurrency`` in flight per reward object (and event loop).
 * Stories the server flags ``unscorable`` are NaN (None for TRL), never its
   fallback number; its ``extra_logs`` columns are the reward's ``log_extra``
@@ -233,7 +235,7 @@ class RemoteReward(Reward):
         if len(valid) < n:
             with self._lock:
                 self.stats["reasons"]["not text"] += n - len(valid)
-        chunks = self._chunks(valid, [_prompt_key(prompts[i]) for i in valid])
+        chunks = self._chunks(valid, [(_prompt_key(prompts[i]), (contexts[i] or {}).get("story_id")) for i in valid])
         started = _clock()
         if chunks:
             client, semaphore = self._client()
@@ -295,19 +297,19 @@ class RemoteReward(Reward):
             log_metric(f"{self.__name__}/unscorable_frac", float(np.isnan(scores).mean()))
         return [None if math.isnan(s) else float(s) for s in scores]
 
-    def _chunks(self, valid: list[int], keys: list[str | None]) -> list[list[int]]:
-        """``valid`` in requests of at most ``chunk_size`` stories, a prompt's
-        stories kept together (a reward normalised per prompt group sees
-        whole groups; a group over ``chunk_size`` is one request)."""
+    def _chunks(self, valid: list[int], keys: list[tuple]) -> list[list[int]]:
+        """``valid`` in requests of at most ``chunk_size`` stories, the stories
+        of one group (prompt and story_id, as ``weighted`` tells groups
+        apart) kept together when the group fits in one request."""
         groups: dict[Any, list[int]] = {}
         for k, (i, key) in enumerate(zip(valid, keys)):
-            groups.setdefault(key if key is not None else ("no prompt", k), []).append(i)
+            groups.setdefault(key if key != (None, None) else k, []).append(i)
         chunks: list[list[int]] = []
         for group in groups.values():
             if chunks and len(chunks[-1]) + len(group) <= self.chunk_size:
                 chunks[-1].extend(group)
             else:
-                chunks.append(list(group))
+                chunks += [group[k : k + self.chunk_size] for k in range(0, len(group), self.chunk_size)]
         return chunks
 
     # -- HTTP -------------------------------------------------------------------
