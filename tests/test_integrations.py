@@ -435,3 +435,20 @@ def test_verl_ground_truth_read_back_from_parquet_as_a_numpy_scalar(monkeypatch)
     monkeypatch.setattr(core, "reward_from_config", lambda config=None: spy)
     verl.compute_score("v", "story", np.array("the human story", dtype=object))
     assert spy.context == {"reference": ["the human story"]}
+
+
+def test_a_remote_reward_config_works_in_verl_and_openrlhf(tmp_path):
+    # reward: remote is async (TRL's contract): the integrations' sync paths must run it, not return a coroutine
+    from storyrl.integrations.server import create_app, run_in_thread
+
+    local = create_reward("dhm", dimensions=["repetition"])
+    expected = with_fallback(local.score(STORIES, reference=HUMAN))
+    with run_in_thread(create_app(create_reward("dhm", dimensions=["repetition"]))) as url:
+        config = write(tmp_path, "remote.yaml", f"reward: remote\nurl: {url}\nsend_context: [reference]\n")
+        sync = [verl.compute_score("v", s, h, storyrl_config=config) for s, h in zip(STORIES, HUMAN)]
+        together = _gather(lambda: [verl.compute_score_async("v", s, h, storyrl_config=config)
+                                    for s, h in zip(STORIES, HUMAN)])
+        out = reward_func(STORIES, None, HUMAN, storyrl_config=config)
+    for got in (sync, together):
+        assert [r["score"] if isinstance(r, dict) else r for r in got] == pytest.approx(expected)
+    assert out["rewards"].tolist() == pytest.approx(expected)

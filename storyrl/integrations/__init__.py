@@ -4,14 +4,15 @@ Users who outgrow ``accelerate`` run verl or OpenRLHF on Ray. The same storyrl
 reward config (``configs/rewards/*.yaml``, ``reward: <name>`` plus options)
 scores their rollouts:
 
-* verl: ``custom_reward_function.path`` = the file of
-  :mod:`storyrl.integrations.verl`, ``name: compute_score`` (or
-  ``compute_score_batch`` with ``reward_model.reward_manager=batch``).
-* OpenRLHF: ``--remote_rm_url`` = the file of
-  :mod:`storyrl.integrations.openrlhf` (its ``reward_func``), or the URL of
-  ``storyrl serve --config REWARD.yaml`` (:mod:`storyrl.integrations.server`),
-  which batches concurrent requests from many trainer nodes onto one reward
-  model.
+* verl: ``reward.custom_reward_function`` names
+  :mod:`storyrl.integrations.verl` (``compute_score_async`` in verl's reward
+  loop, 0.7.1+; ``compute_score_batch`` with the batch manager before);
+  :func:`storyrl.integrations.verl.overrides` prints the settings per version.
+* OpenRLHF: ``--reward.remote_url`` (``--remote_rm_url`` before 0.10.2) = the
+  file of :mod:`storyrl.integrations.openrlhf` (its ``reward_func``), or the
+  URL of ``storyrl serve --config REWARD.yaml``
+  (:mod:`storyrl.integrations.server`), which batches concurrent requests
+  from many trainer nodes onto one reward model.
 
 This module holds what they share: the reward built once per process from a
 config file (models load once), the per-story context taken from the
@@ -28,6 +29,7 @@ in :data:`STATS` and flagged per sample (``unscorable`` = 1.0).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.rewards import Reward, load_reward_config
+from storyrl.rewards.concurrent import is_async_reward, run_sync
 
 __all__ = [
     "CONFIG_ENV",
@@ -100,12 +103,12 @@ def reward_from_config(config: str | os.PathLike | None = None) -> Reward:
     return reward
 
 
-def resolve_fallback(value: float | int | str | None = None) -> float:
+def resolve_fallback(value: float | str | None = None) -> float:
     """The reward given to unscorable stories: ``value``, else
     ``STORYRL_REWARD_FALLBACK``, else 0.0. Must be a finite number."""
     source = "fallback"
     if value is None:
-        value, source = os.environ.get(FALLBACK_ENV, 0.0), FALLBACK_ENV
+        value, source = os.environ.get(FALLBACK_ENV, "0.0"), FALLBACK_ENV
     if isinstance(value, bool):
         raise TypeError(f"{source} must be a number, got {value!r}")
     try:
@@ -202,9 +205,15 @@ def score_stories(reward: Reward, stories: Sequence[Any], context: Mapping[str, 
     def log_metric(name: str, value: float) -> None:
         pass  # batch-level means; the frameworks average per-sample values themselves
 
-    with _SCORE_LOCK:
-        out = reward(prompts=None if prompts is None else list(prompts), completions=stories,
-                     log_extra=log_extra, log_metric=log_metric, **dict(context or {}))
+    call = functools.partial(reward, prompts=None if prompts is None else list(prompts), completions=stories,
+                             log_extra=log_extra, log_metric=log_metric, **dict(context or {}))
+    if is_async_reward(reward):
+        # ``remote``: safe to call concurrently, and holding the lock through a
+        # network call would stall every other scoring thread for nothing.
+        out = run_sync(call())
+    else:
+        with _SCORE_LOCK:
+            out = call()
     scores = np.array([math.nan if v is None else float(v) for v in out], dtype=float)
     components = {}
     for column, values in extra.items():
