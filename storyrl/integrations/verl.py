@@ -121,7 +121,7 @@ def compute_score(
     """verl's ``compute_score(data_source, solution_str, ground_truth,
     extra_info=None, **kwargs)`` for one story (keyword arguments verl adds
     that storyrl does not use are ignored)."""
-    reward = _reward(storyrl_config, storyrl_gdpo, per_sample=True)
+    reward = _reward(storyrl_config, storyrl_gdpo)
     fallback = _core.resolve_fallback(storyrl_fallback)
     context = _sample_context(ground_truth, extra_info, 0)
     scored = _core.score_stories(reward, [solution_str], _core.context_columns([context]))
@@ -146,7 +146,7 @@ async def compute_score_async(
     made concurrently in one event loop are scored together, in one reward
     call of up to ``storyrl_batch_size`` stories made in a worker thread
     (the first call waits at most ``storyrl_wait_ms`` for others)."""
-    reward = _reward(storyrl_config, storyrl_gdpo, per_sample=True)
+    reward = _reward(storyrl_config, storyrl_gdpo)
     fallback = _core.resolve_fallback(storyrl_fallback)
     context = _sample_context(ground_truth, extra_info, 0)
     batcher = await _batcher(reward, storyrl_batch_size, storyrl_wait_ms)
@@ -250,7 +250,7 @@ def _hydra_value(path: Path) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _reward(config: str | None, gdpo: bool, *, per_sample: bool):
+def _reward(config: str | None, gdpo: bool):
     """The reward for per-sample scoring: the configured one, or with
     ``gdpo`` for a group-normalised ``weighted`` reward, the same reward with
     its group normalisation left to verl (raw component values)."""
@@ -258,7 +258,7 @@ def _reward(config: str | None, gdpo: bool, *, per_sample: bool):
         raise TypeError(f"storyrl_gdpo must be true or false, got {gdpo!r}")
     if not gdpo:
         reward = _core.reward_from_config(config)
-        if per_sample and _core.batch_normalized(reward):
+        if _core.batch_normalized(reward):
             raise ValueError(_PER_SAMPLE.format(name=reward.name))
         return reward
     from storyrl.rewards import load_reward_config
