@@ -8,10 +8,12 @@ through the reward's ``sleep`` hook, so nothing sleeps for long."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import math
 import pickle
 import socket
 import threading
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 import pytest
@@ -25,6 +27,7 @@ from starlette.routing import Route
 
 from storyrl.integrations.server import create_app, run_in_thread
 from storyrl.rewards import create_reward, load_reward_config
+from storyrl.rewards import remote as remote_module
 from storyrl.rewards.base import RewardError
 from storyrl.rewards.composite import build_reward
 from storyrl.rewards.remote import RemoteRewardError, RemoteRewardUnavailable
@@ -58,8 +61,8 @@ def served():
 
 class Fake:
     """A misbehaving reward server: ``handler(body, attempt)`` answers each
-    POST /get_reward; records requests, headers and the most requests in
-    flight at once."""
+    POST /get_reward and GET /health answers ``health_status``; records
+    requests, headers and the most requests in flight at once."""
 
     def __init__(self):
         self.reset(None)
@@ -67,6 +70,10 @@ class Fake:
     def reset(self, handler):
         self.handler, self.bodies, self.headers = handler, [], []
         self.in_flight = self.max_in_flight = 0
+        self.health_status = 200
+
+    async def health(self, request):
+        return JSONResponse({"status": "ok" if self.health_status == 200 else "no"}, status_code=self.health_status)
 
     async def get_reward(self, request):
         body = await request.json()
@@ -90,7 +97,7 @@ def words(body):
 def fake_server():
     fake = Fake()
     app = Starlette(routes=[Route("/get_reward", fake.get_reward, methods=["POST"]),
-                            Route("/health", lambda request: JSONResponse({"status": "ok"}))])
+                            Route("/health", fake.health)])
     with run_in_thread(app) as url:
         yield fake, url
 
@@ -252,6 +259,20 @@ def test_setup_checks_the_server(served):
         remote(dead_url(), retries=0).setup()
 
 
+@pytest.mark.parametrize("status", [404, 405])
+def test_setup_accepts_a_server_without_health(fake, status):
+    """A reward server other than storyrl serve may have no /health: it
+    answered, so it is there."""
+    fake.health_status = status
+    assert remote(fake.url, retries=0).setup() is not None
+
+
+def test_setup_raises_for_a_rejected_token(fake):
+    fake.health_status = 401
+    with pytest.raises(RemoteRewardError, match="HTTP 401.*check token"):
+        remote(fake.url, retries=0).setup()
+
+
 # -- a misbehaving server ------------------------------------------------------------------------------
 
 
@@ -276,6 +297,24 @@ def test_retry_after_is_honoured(fake, status):
     reward = remote(fake.url, backoff_s=0.5, max_backoff_s=1.0)
     same(reward.score(["a b"]), [0.2])
     assert reward.waits == [7.0]
+
+
+def test_retry_after_as_an_http_date(fake):
+    """An HTTP date ahead is a wait of that many seconds (not capped by
+    max_backoff_s: Retry-After wins); one in the past, none."""
+    ahead = 20
+
+    async def handler(body, attempt):
+        if attempt > 2:
+            return words(body)
+        when = datetime.now(timezone.utc) + timedelta(seconds=ahead if attempt == 1 else -ahead)
+        return Response(status_code=503, headers={"Retry-After": email.utils.format_datetime(when, usegmt=True)})
+
+    fake.reset(handler)
+    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=1.0)
+    same(reward.score(["a b"]), [0.2])
+    (wait, past) = reward.waits
+    assert ahead - 2 < wait <= ahead and past == 0.0  # the date has whole seconds
 
 
 def test_retries_spent_give_nan_counted_not_a_reward(fake):
@@ -349,6 +388,22 @@ def test_malformed_or_wrong_length_answers_give_nan(fake, answer, reason):
     assert reward.stats["reasons"] == {reason: 2} and len(fake.bodies) == 1  # no retry: not transient
 
 
+@pytest.mark.parametrize("key", ["rewards", "scores"])
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "NaN"])
+def test_non_finite_rewards_are_a_malformed_answer(fake, key, value):
+    """Python's JSON reads Infinity and NaN; neither may reach the trainer as
+    a reward, and a server sending them is broken: the request's stories are
+    NaN, counted as a malformed answer."""
+    async def handler(body, attempt):
+        return Response(f'{{"{key}": [0.5, {value}]}}', media_type="application/json")
+
+    fake.reset(handler)
+    reward = remote(fake.url)
+    same(reward.score(["a b", "c"]), [np.nan, np.nan])
+    assert reward.stats["reasons"] == {"malformed answer": 2}
+    assert asyncio.run(reward(prompts=None, completions=["a b", "c"])) == [None, None]
+
+
 def test_server_unscorable_flags_become_none(fake):
     async def handler(body, attempt):
         return JSONResponse({"rewards": [0.0, 5.0, 0.0], "extra_logs": {"unscorable": [1.0, 0.0, 1.0],
@@ -381,6 +436,41 @@ def test_requests_in_flight_are_bounded_and_chunks_overlap(fake, max_concurrency
     same(reward.score(stories), [k / 10 for k in range(1, 13)])
     assert len(fake.bodies) == 6 and all(len(b["query"]) == 2 for b in fake.bodies)
     assert fake.max_in_flight == max_concurrency
+
+
+def test_the_bound_holds_without_httpx_connection_limit():
+    """A transport of its own (here the test hook) has no connection pool:
+    max_concurrency alone bounds the requests in flight."""
+    import httpx
+
+    in_flight, most = [0], [0]
+
+    async def handler(request):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.05)
+        in_flight[0] -= 1
+        return httpx.Response(200, json={"rewards": [1.0]})
+
+    reward = remote("http://reward-server:5000", max_concurrency=1, chunk_size=1)
+    reward.transport = httpx.MockTransport(handler)
+    same(reward.score(["a", "b", "c"]), [1.0, 1.0, 1.0])
+    assert most[0] == 1 and reward.http_stats == {"requests": 3}
+
+
+def test_queued_requests_do_not_spend_their_timeout_waiting_for_a_connection(fake):
+    """Requests wait for their turn before their timeout starts: each answer
+    takes over half the timeout, so a third request waiting from the start
+    would time out. (httpcore 1.0 happens to restart its own pool wait at
+    each free connection, so this holds without the semaphore too.)"""
+    async def handler(body, attempt):
+        await asyncio.sleep(0.9)
+        return words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, timeout_s=1.5, max_concurrency=1, chunk_size=1)
+    same(reward.score(["a", "a b", "a b c"]), [0.1, 0.2, 0.3])
+    assert reward.http_stats == {"requests": 3} and reward.waits == [] and not reward.stats["reasons"]
 
 
 def test_a_server_that_stays_down_stops_the_run(fake):
@@ -418,6 +508,54 @@ def test_down_after_seconds(fake, monkeypatch):
     now[0] += 30.0
     with pytest.raises(RemoteRewardUnavailable, match="for 30 s"):
         reward.score(["a"])
+
+
+def test_a_call_that_succeeds_restarts_the_down_clock(fake, monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(remote_module, "_clock", lambda: now[0])
+
+    async def handler(body, attempt):
+        return words(body) if attempt == 2 else JSONResponse({}, status_code=500)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=0, max_consecutive_failures=None, down_after_s=30.0)
+    same(reward.score(["a"]), [np.nan])
+    same(reward.score(["a b"]), [0.2])
+    now[0] += 31.0
+    same(reward.score(["a"]), [np.nan])  # failing since this call, not since the first
+
+
+def test_the_down_clock_starts_with_the_first_failing_call(fake, monkeypatch):
+    """Each call takes 6 s: the second ends 12 s after the first started."""
+    now = [100.0]
+    monkeypatch.setattr(remote_module, "_clock", lambda: now[0])
+
+    async def handler(body, attempt):
+        now[0] += 6.0
+        return JSONResponse({}, status_code=500)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=0, max_consecutive_failures=None, down_after_s=10.0)
+    same(reward.score(["a"]), [np.nan])
+    with pytest.raises(RemoteRewardUnavailable, match="for 12 s"):
+        reward.score(["a"])
+
+
+def test_a_call_with_some_failed_requests_is_no_failed_call(fake, monkeypatch):
+    """The server is down only when every request of a call failed; a call
+    with one failing request among others gives NaN for its stories only."""
+    now = [100.0]
+    monkeypatch.setattr(remote_module, "_clock", lambda: now[0])
+
+    async def handler(body, attempt):
+        return JSONResponse({}, status_code=500) if body["query"] == ["bad"] else words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=0, chunk_size=1, max_consecutive_failures=2, down_after_s=10.0)
+    for _ in range(4):
+        same(reward.score(["a b", "bad", "a b c"]), [0.2, np.nan, 0.3])
+        now[0] += 20.0
+    assert reward.stats["reasons"] == {"HTTP 500": 4}
 
 
 def test_concurrent_calls_share_the_bound(fake):

@@ -26,8 +26,10 @@ score``). The client speaks the server's protocol (POST ``/get_reward`` with
 
 Failures. A 5xx or 429 answer, a timeout or a refused connection is retried
 ``retries`` times, after ``backoff_s`` doubling up to ``max_backoff_s`` (a
-429/503 ``Retry-After`` wins). A request that still fails, or whose answer is
-malformed or of the wrong length, is a *transport failure*: its stories are
+429/503 ``Retry-After``, seconds or an HTTP date, wins). A request that still
+fails, or whose answer is malformed (a reward that is not a finite number,
+JSON's NaN and Infinity included: the whole answer is distrusted) or of the
+wrong length, is a *transport failure*: its stories are
 NaN with the reason in ``stats["reasons"]`` (each kind logged once), never a
 reward. When every request of ``max_consecutive_failures`` calls in a row
 failed, or every call failed for ``down_after_s`` seconds, the call raises
