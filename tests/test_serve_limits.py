@@ -468,6 +468,21 @@ def test_the_dhm_human_cache_is_bounded_and_scores_stay_equal():
     assert create_reward("dhm", dimensions=["repetition"]).human_cache_size == 50_000
 
 
+def test_the_dhm_human_cache_keeps_the_recently_used_and_exactly_its_size():
+    refs = [f"Ref {i} went out. Ref {i} came back. It was day {i}." for i in range(6)]
+    dhm = create_reward("dhm", dimensions=["repetition"], human_cache_size=3)
+    dhm.score([story(i) for i in range(3)], reference=refs[:3])  # A B C
+    assert [ref for _, ref in dhm.human_cache] == refs[:3]
+    dhm.score([story(0)], reference=refs[:1])  # A used: a hit
+    assert dhm.stats["human_scored"] == 3
+    dhm.score([story(3)], reference=refs[3:4])  # D: the least recently used, B, goes
+    assert [ref for _, ref in dhm.human_cache] == [refs[2], refs[0], refs[3]]
+    dhm.score([story(0)], reference=refs[:1])  # A still cached
+    assert dhm.stats["human_scored"] == 4
+    dhm.score([story(4), story(5)], reference=refs[4:6])  # over the size by two at once
+    assert len(dhm.human_cache) == 3
+
+
 # -- the benchmark ---------------------------------------------------------------------------
 
 
@@ -478,3 +493,279 @@ def test_the_load_benchmark_runs(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["failures"] == 0 and figures["requests"] == 12 and figures["requests_per_s"] > 0
     assert figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
+
+
+# -- limits at their exact bound, and what the guards must not let through -----------------------
+
+
+def test_a_body_of_exactly_the_limit_is_accepted_also_when_chunked():
+    data = json.dumps({"query": STORIES}).encode()
+    spy = Spy()
+    with run_in_thread(create_app(spy, limits=Limits(max_body_bytes=len(data)))) as url:
+        headers = {"content-type": "application/json"}
+        r = httpx.post(f"{url}/get_reward", content=data, headers=headers, timeout=30)  # Content-Length
+        assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES)), r.text
+        chunks = (data[k:k + 50] for k in range(0, len(data), 50))  # no Content-Length: counted while read
+        r = httpx.post(f"{url}/get_reward", content=chunks, headers=headers, timeout=30)
+        assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES)), r.text
+        r = httpx.post(f"{url}/get_reward", content=(c for c in (data, b" ")), headers=headers, timeout=30)
+        assert r.status_code == 413  # one byte more
+    assert spy.calls == [len(STORIES), len(STORIES)]
+
+
+def test_exactly_the_most_stories_per_request_are_scored():
+    spy = Spy()
+    with run_in_thread(create_app(spy, limits=Limits(max_stories_per_request=len(STORIES)))) as url:
+        r = post(url, {"query": STORIES})
+        assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES)), r.text
+        assert post(url, {"query": [*STORIES, STORIES[0]]}).status_code == 422
+    assert spy.calls == [len(STORIES)]
+
+
+def test_a_sibling_directory_sharing_the_roots_name_is_outside_it(image_dirs):
+    root, _ = image_dirs  # .../images
+    sibling = root.parent / f"{root.name}2"  # .../images2: its path starts with the root's
+    sibling.mkdir()
+    Image.new("RGB", (4, 4)).save(sibling / "x.png")
+    spy = Recorder()
+    with run_in_thread(create_app(spy, limits=Limits(image_root=str(root)))) as url:
+        for label in ({"images": [f"../{sibling.name}/x.png"]}, {"image_ids": [f"../{sibling.name}/x"]}):
+            r = post(url, {"query": STORIES[:1], "labels": [label]})
+            assert r.status_code == 422 and "outside" in r.json()["detail"], (label, r.text)
+    assert spy.calls == []
+
+
+def test_an_image_of_exactly_the_pixel_limit_is_scored(image_dirs):
+    root, _ = image_dirs
+    spy = Recorder()
+    limits = Limits(image_root=str(root), max_image_pixels=100)  # a.png: 10 x 10
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        r = post(url, {"query": STORIES[:1], "labels": [{"images": ["a.png"]}]})
+        assert r.status_code == 200 and r.json()["extra_logs"]["unscorable"] == [0.0], r.text
+        assert r.json()["rewards"] == pytest.approx(expected(STORIES[:1]))
+    assert spy.stories == STORIES[:1]
+
+
+def test_an_image_named_by_id_over_the_pixel_limit_makes_its_story_unscorable_undecoded(image_dirs, monkeypatch):
+    root, _ = image_dirs
+    spy = Recorder()
+    monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("decoded"))
+    limits = Limits(image_root=str(root), max_image_pixels=10_000)  # big.png has 20,000
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        labels = [{"image_ids": ["a"]}, {"image_ids": ["a", "big"]}]
+        r = post(url, {"query": STORIES[:2], "labels": labels})
+        assert r.status_code == 200, r.text
+        assert r.json()["rewards"] == pytest.approx([*expected(STORIES[:1]), -1.0])
+        assert r.json()["extra_logs"]["unscorable"] == [0.0, 1.0]
+        assert info(url)["stats"]["unscorable_images"] == 1
+    assert spy.stories == STORIES[:1]
+
+
+def test_a_blocked_first_story_leaves_the_others_their_own_rewards_in_order(image_dirs):
+    root, _ = image_dirs
+    stories = [story(1), story(2), story(3)]
+    own = expected(stories)
+    assert len(set(own)) == 3  # distinct: a shifted answer shows
+    spy = Recorder()
+    limits = Limits(image_root=str(root), max_image_pixels=10_000)
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        labels = [{"images": ["big.png"]}, {"images": ["a.png"]}, {"images": ["a.png"]}]
+        r = post(url, {"query": stories, "labels": labels})
+        assert r.status_code == 200, r.text
+        assert r.json()["rewards"] == pytest.approx([-1.0, *own[1:]])
+        assert r.json()["extra_logs"]["unscorable"] == [1.0, 0.0, 0.0]
+    assert spy.stories == stories[1:]
+
+
+def test_an_image_replaced_by_a_larger_one_at_the_same_path_is_checked_again(image_dirs):
+    root, _ = image_dirs
+    Image.new("RGB", (10, 10)).save(root / "swap.png")
+    spy = Recorder()
+    limits = Limits(image_root=str(root), max_image_pixels=10_000)
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        body = {"query": STORIES[:1], "labels": [{"images": ["swap.png"]}]}
+        assert post(url, body).json()["extra_logs"]["unscorable"] == [0.0]
+        Image.new("RGB", (200, 100)).save(root / "swap.png")  # 20,000 pixels, same path
+        r = post(url, body)
+        assert r.json()["extra_logs"]["unscorable"] == [1.0] and r.json()["rewards"] == [-1.0], r.text
+    assert spy.stories == STORIES[:1]
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` (no pixel data)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IEND", b""))
+
+
+def test_an_image_over_pils_own_bound_makes_its_story_unscorable_undecoded(image_dirs, monkeypatch):
+    root, _ = image_dirs
+    (root / "bomb.png").write_bytes(_png_header(50_000, 50_000))  # 2.5e9 pixels: PIL refuses to open it
+    with pytest.raises(Image.DecompressionBombError):
+        Image.open(root / "bomb.png")
+    monkeypatch.setattr(Image.Image, "load", lambda self: pytest.fail("decoded"))
+    spy = Recorder()
+    limits = Limits(image_root=str(root), max_image_pixels=10**12)  # not ours: PIL's bound decides
+    with run_in_thread(create_app(spy, limits=limits, fallback=-1.0)) as url:
+        r = post(url, {"query": STORIES[:2], "labels": [{"images": ["a.png"]}, {"images": ["bomb.png"]}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["rewards"] == pytest.approx([*expected(STORIES[:1]), -1.0])
+        assert r.json()["extra_logs"]["unscorable"] == [0.0, 1.0]
+    assert spy.stories == STORIES[:1]
+
+
+def test_a_token_sent_under_another_scheme_is_refused():
+    spy = Spy()
+    with run_in_thread(create_app(spy, token="s3cret")) as url:
+        for scheme in ("Basic", "Token", "Digest"):
+            r = post(url, {"query": STORIES}, headers={"Authorization": f"{scheme} s3cret"})
+            assert r.status_code == 401, (scheme, r.text)
+        assert post(url, {"query": STORIES}, headers={"Authorization": "bearer s3cret"}).status_code == 200
+    assert spy.calls == [len(STORIES)]
+
+
+def test_the_token_is_checked_before_the_body_size():
+    spy = Spy()
+    with run_in_thread(create_app(spy, token="s3cret", limits=Limits(max_body_bytes=100))) as url:
+        big = {"query": ["A long story. " * 100]}
+        r = post(url, big)  # Content-Length over the limit, no token
+        assert r.status_code == 401, r.text
+        r = httpx.post(f"{url}/get_reward", content=(b"x" * 100 for _ in range(5)), timeout=30)  # chunked
+        assert r.status_code == 401, r.text
+        assert post(url, big, headers={"Authorization": "Bearer s3cret"}).status_code == 413
+    assert spy.calls == []
+
+
+# -- time limits and batching delays --------------------------------------------------------------
+
+
+def test_requests_queued_behind_a_call_past_the_time_limit_get_503_at_once():
+    spy = Spy()
+    with run_in_thread(create_app(spy, timeout_s=3, max_wait_ms=0)) as url:
+        answers = {}
+        first = threading.Thread(target=lambda: answers.setdefault("a", post(url, {"query": ["WAIT here. WAIT."]})))
+        first.start()
+        _until(lambda: spy.calls)  # the call runs (and waits for the gate)
+        second = threading.Thread(target=lambda: answers.setdefault("b", post(url, {"query": STORIES})))
+        second.start()
+        # queued before the time limit: a request after it is refused without being counted
+        _until(lambda: info(url)["stats"]["requests"] == 2, timeout=2.5)
+        first.join(20)
+        assert answers["a"].status_code == 504
+        second.join(8)  # the stuck call holds the gate for 20 s: only an answer given at once comes in time
+        assert "b" in answers, "the queued request waited for the stuck call"
+        assert answers["b"].status_code == 503 and "busy" in answers["b"].json()["detail"]
+        spy.gate.set()
+    assert spy.calls == [1]
+
+
+def test_a_lone_request_waits_max_wait_ms_for_company_then_is_scored():
+    import asyncio
+
+    import storyrl.integrations as core
+
+    async def main():
+        batcher = RequestBatcher(lambda stories, contexts, prompts: core.Scored(np.ones(len(stories))),
+                                 max_wait_ms=400)
+        await batcher.start()
+        try:
+            start = time.monotonic()
+            scored = await asyncio.wait_for(batcher.submit(["a story."], [{}]), 30)
+            return time.monotonic() - start, scored
+        finally:
+            await batcher.stop()
+
+    waited, scored = asyncio.run(main())
+    assert list(scored.scores) == [1.0]
+    assert 0.35 <= waited < 2.5, waited  # 0.4 s, and not ten times that
+
+
+# -- the command line reaches the server ---------------------------------------------------------
+
+
+def test_every_serve_option_reaches_the_app_the_limits_and_the_server(monkeypatch, tmp_path):
+    made, served = [], []
+    real = server_module.create_app
+
+    def record_app(reward, **kwargs):
+        made.append((reward, kwargs))
+        return real(reward, **kwargs)
+
+    monkeypatch.setattr(server_module, "create_app", record_app)
+    monkeypatch.setattr(server_module, "serve", lambda app, **kwargs: served.append((app, kwargs)))
+    args = ["--host", "127.0.0.2", "--port", "5123", "--token", "t0k", "--max-batch-size", "7",
+            "--max-wait-ms", "12.5", "--timeout-s", "3.5", "--max-body-bytes", "4321",
+            "--max-stories-per-request", "9", "--max-story-chars", "321", "--image-root", str(tmp_path),
+            "--max-image-pixels", "777", "--shutdown-timeout-s", "4.5", "--docs", "--fallback", "-2.5",
+            "--log-level", "debug"]
+    result = _invoke(args)
+    assert result.exit_code == 0, result.output
+    (reward, kwargs), = made
+    assert reward.name == "repetition"
+    assert kwargs == {"max_batch_size": 7, "max_wait_ms": 12.5, "fallback": -2.5, "timeout_s": 3.5, "token": "t0k",
+                      "docs": True, "limits": Limits(max_body_bytes=4321, max_stories_per_request=9,
+                                                     max_story_chars=321, max_image_pixels=777,
+                                                     image_root=str(tmp_path))}
+    (app, served_kwargs), = served
+    assert app.state.reward is reward
+    assert served_kwargs == {"host": "127.0.0.2", "port": 5123, "log_level": "debug", "shutdown_timeout_s": 4.5}
+    # the defaults arrive too
+    made.clear(), served.clear()
+    assert _invoke([]).exit_code == 0
+    assert made[0][1]["limits"] == Limits() and made[0][1]["timeout_s"] == 60.0
+    assert served[0][1]["shutdown_timeout_s"] == 10.0 and served[0][1]["port"] == 5000
+
+
+# -- shutdown lets a short call finish -------------------------------------------------------------
+
+_SLOW_SERVER = """
+import sys, time
+import numpy as np
+from storyrl.cli import main
+from storyrl.rewards import Reward, register_reward
+
+@register_reward()
+class Slow(Reward):
+    name = "test_slow"
+
+    def _score_batch(self, stories, **context):
+        time.sleep(1.5)
+        return np.full(len(stories), 0.25)
+
+main(sys.argv[1:], prog_name="storyrl")
+"""
+
+
+def test_a_signal_during_a_short_call_lets_its_request_finish(tmp_path):
+    script, config, log = tmp_path / "serve.py", tmp_path / "slow.yaml", tmp_path / "log.txt"
+    script.write_text(_SLOW_SERVER)
+    config.write_text("reward: test_slow\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script), "serve", "--config", str(config), "--port", str(port),
+                                 "--shutdown-timeout-s", "10", "--log-level", "warning"],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        _until(lambda: proc.poll() is not None or _healthy(url), timeout=60)
+        assert proc.poll() is None, log.read_text()
+        answer = {}
+        client = threading.Thread(target=lambda: answer.setdefault("r", post(url, {"query": STORIES[:2]})))
+        client.start()
+        _until(lambda: info(url)["stats"].get("requests") == 1)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        client.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert answer["r"].status_code == 200, (answer["r"].text, log.read_text())
+    assert answer["r"].json()["rewards"] == [0.25, 0.25]
