@@ -20,6 +20,7 @@ from tiny_models import TAPM_TEXTS, save_tiny_llama, write_images
 
 import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
 from storyrl.rewards import Reward, create_reward, register_reward
+from storyrl.rewards.base import FatalRewardError
 from storyrl.rewards.concurrent import AsyncReward, is_async_reward
 
 pytest.importorskip("httpx")
@@ -64,6 +65,33 @@ class _WaitsB(_Waits):
     """Test reward: waits for test_async_wait_a."""
 
     name = "test_async_wait_b"
+
+
+class _FailsLater(Reward):
+    """Scores words / 10 on its first call and raises ``error`` from then on."""
+
+    error: type[Exception] = ValueError
+
+    def score(self, stories, **context):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls > 1:
+            raise self.error("the reward broke on call 2")
+        return np.array([len(s.split()) / 10 if isinstance(s, str) else np.nan for s in stories])
+
+
+@register_reward()
+class _FatalLater(_FailsLater):
+    """Test reward: a FatalRewardError from its second call on."""
+
+    name = "test_async_fatal_later"
+    error = FatalRewardError
+
+
+@register_reward()
+class _ValueErrorLater(_FailsLater):
+    """Test reward: a ValueError from its second call on."""
+
+    name = "test_async_value_error_later"
 
 
 @pytest.fixture(autouse=True)
@@ -168,6 +196,56 @@ def test_ppo_awaits_async_rewards_together():
     batch = call_rewards(funcs, [f.__name__ for f in funcs], rows, ["p", "p"], ["a b", "a b c"], [[1], [2]])
     assert batch.values.tolist() == [[pytest.approx(0.2)] * 3, [pytest.approx(0.3)] * 3]
     assert len({thread for _, thread in BARRIER["threads"]}) == 2
+
+
+@pytest.mark.parametrize("kind", ["sync", "async", "wrapped"])
+def test_ppo_passes_a_fatal_reward_error_on_after_one_call(kind):
+    """Retrying a server that is down for good, completion by completion,
+    only delays the stop: the error comes out as it is, after one call."""
+    from storyrl.training.rl.ppo_rewards import call_rewards
+
+    class ServerGone(FatalRewardError):
+        pass
+
+    calls = []
+
+    def gone(prompts=None, completions=None, **kwargs):
+        calls.append(len(completions))
+        raise ServerGone("down for good")
+
+    async def agone(prompts=None, completions=None, **kwargs):
+        return gone(prompts, completions, **kwargs)
+
+    func = {"sync": gone, "async": agone, "wrapped": AsyncReward(gone)}[kind]
+    funcs = [create_reward("test_async_words"), func]
+    rows = [{"prompt": "p", "story_id": f"s{k}"} for k in range(3)]
+    with pytest.raises(ServerGone, match="down for good"):
+        call_rewards(funcs, ["words", "gone"], rows, ["p"] * 3, ["a", "a b", "a b c"], [[1], [2], [3]])
+    assert calls == [3]
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_fatal_reward_error_stops_the_run_without_final(assets, tmp_path, algorithm):
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import RunFailedError
+
+    config = rl_config(assets, tmp_path / "out", ["test_async_fatal_later"], algorithm, max_steps=2)
+    with pytest.raises(RunFailedError, match="^stopped: the reward broke on call 2$") as caught:
+        train(config, progress=False)
+    assert isinstance(caught.value.__cause__, FatalRewardError)
+    assert not (tmp_path / "out" / "final").exists()
+
+
+def test_other_errors_of_a_reward_are_not_a_stopped_run(assets, tmp_path):
+    """Only a FatalRewardError is a clean stop; a bug keeps its type and traceback."""
+    from storyrl.training.rl.train import train
+    from storyrl.training.runs import RunFailedError
+
+    config = rl_config(assets, tmp_path / "out", ["test_async_value_error_later"], "grpo", max_steps=2)
+    with pytest.raises(ValueError, match="the reward broke on call 2") as caught:
+        train(config, progress=False)
+    assert not isinstance(caught.value, RunFailedError)
+    assert not (tmp_path / "out" / "final").exists()
 
 
 def test_async_rewards_run_concurrently_under_trl(assets, tmp_path):
