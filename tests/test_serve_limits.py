@@ -769,3 +769,27 @@ def test_a_signal_during_a_short_call_lets_its_request_finish(tmp_path):
             proc.wait()
     assert answer["r"].status_code == 200, (answer["r"].text, log.read_text())
     assert answer["r"].json()["rewards"] == [0.25, 0.25]
+
+
+def test_stopping_answers_a_request_that_waits_for_company():
+    # the request has left the queue for the batch being gathered (max_wait_ms), not yet running
+    import asyncio
+
+    import storyrl.integrations as core
+    from storyrl.integrations.batching import Closing
+
+    async def main():
+        batcher = RequestBatcher(lambda stories, contexts, prompts: core.Scored(np.ones(len(stories))),
+                                 max_wait_ms=30_000)
+        await batcher.start()
+        job = asyncio.ensure_future(batcher.submit(["a story."], [{}]))
+        for _ in range(100):  # the worker takes it off the queue
+            await asyncio.sleep(0.01)
+            if not batcher._jobs:
+                break
+        assert not batcher._jobs and not job.done()
+        await batcher.stop()
+        with pytest.raises(Closing):
+            await asyncio.wait_for(job, 5)
+
+    asyncio.run(main())

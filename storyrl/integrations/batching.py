@@ -201,6 +201,7 @@ class RequestBatcher:
                 self._arrived.clear()
                 await self._arrived.wait()
             batch = [self._jobs.popleft()]
+            self._running = batch  # while gathered too: stop() answers it
             size = len(batch[0].stories)
             deadline = loop.time() + self.max_wait_ms / 1000
             while size < self.max_batch_size:
@@ -220,9 +221,9 @@ class RequestBatcher:
                 except asyncio.TimeoutError:
                     break
             batch = [job for job in batch if not job.future.done()]  # clients gone while it waited
+            self._running = batch
             if not batch:
                 continue
-            self._running = batch
             call = asyncio.wrap_future(self._thread.submit(self._score_jobs, batch))
             done, _ = await asyncio.wait({call}, timeout=self.timeout_s)
             if not done:
