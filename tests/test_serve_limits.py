@@ -646,7 +646,7 @@ def test_the_token_is_checked_before_the_body_size():
 
 def test_requests_queued_behind_a_call_past_the_time_limit_get_503_at_once():
     spy = Spy()
-    with run_in_thread(create_app(spy, timeout_s=3, max_wait_ms=0)) as url:
+    with run_in_thread(create_app(spy, timeout_s=5, max_wait_ms=0)) as url:
         answers = {}
         first = threading.Thread(target=lambda: answers.setdefault("a", post(url, {"query": ["WAIT here. WAIT."]})))
         first.start()
@@ -654,7 +654,7 @@ def test_requests_queued_behind_a_call_past_the_time_limit_get_503_at_once():
         second = threading.Thread(target=lambda: answers.setdefault("b", post(url, {"query": STORIES})))
         second.start()
         # queued before the time limit: a request after it is refused without being counted
-        _until(lambda: info(url)["stats"]["requests"] == 2, timeout=2.5)
+        _until(lambda: info(url)["stats"]["requests"] == 2, timeout=4.5)
         first.join(20)
         assert answers["a"].status_code == 504
         second.join(8)  # the stuck call holds the gate for 20 s: only an answer given at once comes in time
