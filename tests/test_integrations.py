@@ -452,3 +452,82 @@ def test_a_remote_reward_config_works_in_verl_and_openrlhf(tmp_path):
     for got in (sync, together):
         assert [r["score"] if isinstance(r, dict) else r for r in got] == pytest.approx(expected)
     assert out["rewards"].tolist() == pytest.approx(expected)
+
+
+# -- break-review survivors (r1) ------------------------------------------------------
+
+
+def test_one_reward_per_file_however_it_is_named(tmp_path, monkeypatch):
+    write(tmp_path, "r.yaml", "reward: repetition\n")
+    monkeypatch.chdir(tmp_path)
+    same = core.reward_from_config("r.yaml")
+    assert core.reward_from_config(str(tmp_path / "r.yaml")) is same
+    assert core.reward_from_config("./r.yaml") is same
+    # the GDPO cache agrees: a non-normalised config is the very same reward, not a second copy
+    assert verl._reward("r.yaml", True) is same
+    other = tmp_path / "sub"
+    other.mkdir()
+    write(other, "r.yaml", "reward: rouge_l\n")
+    monkeypatch.chdir(other)
+    assert core.reward_from_config("r.yaml").name == "rouge_l"  # a relative name is the file it names now
+
+
+def test_gdpo_by_hand_on_a_config_gdpo_cannot_stand_for_is_refused(tmp_path):
+    batch = write(tmp_path, "b.yaml", "reward: weighted\ncomponents:\n"
+                  "  - {reward: repetition, weight: 1.0, normalize: batch}\n")
+    mixed = write(tmp_path, "m.yaml", "reward: weighted\ncomponents:\n"
+                  "  - {reward: repetition, weight: 1.0, normalize: group}\n  - {reward: rouge_l, weight: 0.5}\n")
+    only_logged = write(tmp_path, "o.yaml", "reward: weighted\ncomponents:\n"
+                        "  - {reward: repetition, weight: 0, normalize: group}\n"
+                        "  - {reward: rouge_l, weight: 1.0, normalize: range, range: [0, 1]}\n")
+    with pytest.raises(ValueError, match="normalize: batch"):
+        verl.compute_score("v", STORIES[0], HUMAN[0], storyrl_config=batch, storyrl_gdpo=True)
+    with pytest.raises(ValueError, match="component 'rouge_l' has normalize: none"):
+        verl.compute_score("v", STORIES[0], HUMAN[0], storyrl_config=mixed, storyrl_gdpo=True)
+    with pytest.raises(ValueError, match="no component with a weight uses normalize: group"):
+        verl.gdpo_settings(only_logged)
+
+
+def test_async_configs_in_one_loop_keep_their_own_rewards(tmp_path):
+    repetition = write(tmp_path, "a.yaml", "reward: repetition\n")
+    rouge = write(tmp_path, "b.yaml", "reward: rouge_l\n")
+    out = _gather(lambda: [verl.compute_score_async("v", s, h, storyrl_config=c, storyrl_wait_ms=200)
+                           for s, h in zip(STORIES[:2], HUMAN[:2]) for c in (repetition, rouge)])
+    want = []
+    for s, h in zip(STORIES[:2], HUMAN[:2]):
+        want += [create_reward("repetition").score([s])[0], create_reward("rouge_l").score([s], reference=[h])[0]]
+    assert out == pytest.approx(want)
+
+
+def test_dhm_with_a_human_score_table_takes_story_ids_as_labels(tmp_path):
+    from storyrl.integrations.openrlhf import check_labels, needs_reference
+
+    table = write(tmp_path, "human.csv", "story_id,non_redun_score\na,0.9\nb,0.8\n")
+    dhm = create_reward("dhm", dimensions=["repetition"], human_scores=table)
+    assert needs_reference(dhm) == ("reference", "story_id")
+    check_labels(dhm, [{"story_id": "a"}, {"reference": "A human story. Two."}])  # either will do
+    with pytest.raises(ValueError, match=r"1 of 2 labels have none \(first: labels\[1\]\)"):
+        check_labels(dhm, [{"story_id": "a"}, {}])
+    assert needs_reference(create_reward("dhm", dimensions=["repetition"])) == ("reference",)
+
+
+def test_groups_of_one_are_found_when_some_prompts_are_missing():
+    from storyrl.integrations.openrlhf import check_company
+
+    weighted = create_reward("weighted", components=[{"reward": "repetition", "normalize": "group"}])
+    # prompts given for some stories: a missing prompt is its own group key, never pooled by story_id alone
+    with pytest.raises(ValueError, match="some of one story"):
+        check_company(weighted, [{"story_id": "s"}] * 3, ["P", "P", None])
+    check_company(weighted, [{"story_id": "s"}] * 4, ["P", "P", None, None])
+    check_company(weighted, [{"story_id": "s"}, {"story_id": "s"}], [None, None])
+    check_company(create_reward("repetition"), [{}], [None])  # not normalised: anything goes
+
+
+def test_fallback_and_column_checks():
+    with pytest.raises(TypeError, match="must be a number"):
+        core.resolve_fallback(True)
+    with pytest.raises(ValueError, match="extra_infos has 3 entries for 2 stories"):
+        compute_score_batch(None, STORIES[:2], None, [None, None, None])
+    from storyrl.integrations.openrlhf import split_queries
+
+    assert split_queries(["a story."], None, [""])[1] == [{}]  # "" is OpenRLHF's "no label", not a reference
