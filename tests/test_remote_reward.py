@@ -644,3 +644,18 @@ def test_a_prompt_group_stays_in_one_request(fake):
                                                   story_id=["a", "b", "a", "b", "b", "b"]))
     sent = sorted(([label["story_id"] for label in b["labels"]] for b in fake.bodies), key=str)
     assert sent == [["a", "a"], ["b", "b"], ["b", "b"]]
+
+
+def test_a_story_too_long_for_the_server_costs_its_own_reward_only():
+    from storyrl.integrations.serve_guards import Limits
+
+    stories = [STORIES[0], "A long story. " * 10, STORIES[1]]
+    local = create_reward("repetition").score(stories)
+    with run_in_thread(create_app(create_reward("repetition"), limits=Limits(max_story_chars=100))) as url:
+        reward = remote(url, max_story_chars=100)
+        got = reward.score(stories)
+        assert np.isnan(got[1]) and got[[0, 2]] == pytest.approx(local[[0, 2]])
+        assert reward.stats["reasons"]["longer than max_story_chars"] == 1
+        # not checked here: the server refuses the whole request, a configuration error that stops the run
+        with pytest.raises(RemoteRewardError, match="max-story-chars"):
+            remote(url, max_story_chars=None).score(stories)

@@ -103,6 +103,9 @@ class RemoteConfig(RewardConfig):
     max_backoff_s: float = option(30.0, "Longest wait between retries (a Retry-After header wins).", min=0.0)
     max_concurrency: int = option(4, "Requests in flight at once, per reward object.", min=1)
     chunk_size: int = option(64, "Stories per request; a larger batch becomes concurrent requests.", min=1)
+    max_story_chars: int | None = option(
+        20_000, "Longer stories (characters) are unscorable here and not sent: the server refuses a whole request "
+        "holding one (its --max-story-chars, 20,000 by default); null: send every story.", min=1)
     token: str | None = option(None, f"Bearer token the server expects (default: ${TOKEN_ENV}, if set).")
     send_context: list[str] | None = option(None, "Context keys sent with each story (default: every one it has); "
                                             "e.g. [reference] for a text-only reward, [] for none.")
@@ -237,6 +240,16 @@ class RemoteReward(Reward):
         if len(valid) < n:
             with self._lock:
                 self.stats["reasons"]["not text"] += n - len(valid)
+        limit = self.args.max_story_chars
+        if limit is not None:
+            # One runaway story must cost its own reward, not the whole request (the server's 422 is fatal here).
+            long = [i for i in valid if len(stories[i]) > limit]
+            if long:
+                valid = [i for i in valid if len(stories[i]) <= limit]
+                self._warn_once("too long", f"{len(long)} stories longer than max_story_chars ({limit}) get None, "
+                                "not sent")
+                with self._lock:
+                    self.stats["reasons"]["longer than max_story_chars"] += len(long)
         chunks = self._chunks(valid, [(_prompt_key(prompts[i]), (contexts[i] or {}).get("story_id")) for i in valid])
         started = _clock()
         if chunks:
