@@ -152,3 +152,13 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path):
         else:  # the machine was fast enough to finish first: the load error
             assert code == 1 and "reward 'coherence'" in err
     assert not (tmp_path / "o.csv").exists()
+
+
+@pytest.mark.parametrize("command", [["score", EXAMPLE], ["meta-eval", "original-vs-random", EXAMPLE]])
+def test_unknown_metric_is_a_usage_error(tmp_path, command):
+    """README: usage errors exit 2; an unknown ``-m`` name is one (issue 21 item 5)."""
+    result = run(*command, "-m", "repetition,nosuch", "-o", tmp_path / "o.csv")
+    assert result.exit_code == 2, result.output
+    line = _one_error_line(result)
+    assert "--metrics" in line and "unknown reward 'nosuch'" in line and "repetition" in line
+    assert not (tmp_path / "o.csv").exists()

@@ -291,6 +291,35 @@ def test_ratings_story_and_system_level_by_hand(tmp_path):
     assert system["focused"][3] == 2
     assert system["focused"][4] == pytest.approx(stats.kendalltau(hum, met).statistic)
     assert math.isnan(system["focused"][7])
+    # a system-level τ over 2 systems is ±1 by construction: warned (issue 21 item 5)
+    assert len(result.notes) == 1 and "rest on 2 systems (fewer than 5)" in result.notes[0]
+
+
+class _FakeRatings:
+    """The parts of a ratings table :func:`ratings_table` reads."""
+
+    def __init__(self, n_systems: int) -> None:
+        self.story_ids = [f"s{k}" for k in range(2 * n_systems)]
+        self.aspects = ["overall"]
+        self.systems = {sid: f"sys{k // 2}" for k, sid in enumerate(self.story_ids)}
+
+    def story_means(self, aspect):
+        return {sid: float(k % 5) for k, sid in enumerate(self.story_ids)}
+
+
+@pytest.mark.parametrize("n_systems, warned", [(2, True), (4, True), (5, False), (8, False)])
+def test_system_level_over_few_systems_is_warned(n_systems, warned):
+    from storyrl.eval.meta_eval import MIN_SYSTEMS
+
+    ratings = _FakeRatings(n_systems)
+    scores = {sid: float(k) for k, sid in enumerate(ratings.story_ids)}
+    result = ratings_table(ratings, {sid: None for sid in ratings.story_ids}, [Metric("m", scores=scores)],
+                           n_boot=10, progress=False)
+    assert [r[3] for r in result.rows if r[0] == "system"] == [n_systems]
+    assert bool(result.notes) == warned == (n_systems < MIN_SYSTEMS)
+    if warned:
+        assert result.notes == [f"warning: m: the system-level correlations rest on {n_systems} systems "
+                                f"(fewer than {MIN_SYSTEMS}): not evidence of agreement; read the story-level rows"]
 
 
 def test_original_vs_random_table():
@@ -348,7 +377,7 @@ def test_cli_errors_are_one_line(tmp_path):
     res = run("meta-eval", "pairs", "--pairs", bad, "--vhed", bad, "-m", "repetition", "--out", tmp_path / "o.csv")
     assert res.exit_code == 1 and "exactly one of" in res.output
     res = run("meta-eval", "pairs", "--pairs", bad, "-m", "nosuch", "--out", tmp_path / "o.csv")
-    assert res.exit_code == 1 and len(res.output.strip().splitlines()) == 1
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "o.csv").exists()
 
 
@@ -408,6 +437,9 @@ def test_cli_ratings_end_to_end(tmp_path):
         stats.kendalltau([4.5, 2.0, 3.0, 1.5], [0.9, 0.5, 0.6, 0.1]).statistic)
     assert {r["subset"] for r in table} == {"story", "system"}
     assert out.with_suffix(".png").exists()
+    # two systems: the warning is on stderr and in the printed/written table's notes
+    assert "warning: m: the system-level correlations rest on 2 systems" in res.output
+    assert "warning: m: the system-level correlations rest on 2 systems" in out.with_suffix(".md").read_text()
     res = run("meta-eval", "ratings", ratings, "--stories", stories, "--where", "team=nobody", "-m", "repetition",
               "--out", tmp_path / "x.csv")
     assert res.exit_code == 1 and "no rating rows matching team=nobody" in res.output

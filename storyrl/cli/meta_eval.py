@@ -102,6 +102,9 @@ def _finish(kind: str, result, out: Path, headers, overwrite: bool, title: str, 
         if count:
             notes.append(f"{name}: {count} unscorable (NaN) — " +
                          ("counted as wrong" if kind == "pairs" else "left out"))
+    for note in result.notes:  # warnings of the table itself (e.g. too few systems)
+        notes.append(note)
+        click.echo(note, err=True)
     for name, reason in result.failed.items():
         notes.append(f"{name}: failed: {reason}")
         click.echo(f"{name}: failed: {reason}", err=True)

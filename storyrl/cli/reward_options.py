@@ -43,6 +43,9 @@ def make_rewards(names: list[str], configs, values: dict[str, Any]) -> list:
 
     try:
         names = [REWARDS.resolve(n) for n in names]
+    except KeyError as exc:  # a name the command line got wrong: a usage error (exit 2)
+        _fail(f"--metrics: {exc.args[0]}", exit_code=2)
+    try:
         in_files = [_config_reward_name(c) for c in configs]
         in_files = [REWARDS.resolve(n) if n in REWARDS else None for n in in_files]
         per_reward = split_reward_options(values, {n for n in (*names, *in_files) if n is not None})

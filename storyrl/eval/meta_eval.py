@@ -222,6 +222,13 @@ def pairs_table(pairs: Sequence[PreferencePair], metrics: Sequence[Metric], *, b
     return result
 
 
+#: Fewer systems than this make a system-level correlation a warning: with n
+#: systems Kendall's τ takes only n(n-1)/2 + 1 values (±1 with 2 systems), and
+#: n = 5 is the smallest count at which even a perfect ranking (τ = 1, exact
+#: two-sided p = 2/5! ≈ 0.017) is significant at 0.05; with 4 it is 2/4! ≈ 0.083.
+MIN_SYSTEMS = 5
+
+
 def ratings_table(ratings: Any, records: Mapping[str, Any], metrics: Sequence[Metric], *, n_boot: int = 1000,
                   seed: int = 0, level: float = 0.95, batch_size: int = 64, progress: bool = True) -> MetaEvalResult:
     """Rows ``subset, metric, aspect, n, kendall, spearman, pearson, ci_low,
@@ -229,7 +236,9 @@ def ratings_table(ratings: Any, records: Mapping[str, Any], metrics: Sequence[Me
     raters against its score; the CI is Kendall τ-b's) and, when the ratings
     have systems, ``system`` (means per system over the stories with a
     score; no CI). Stories whose score is NaN are dropped (n counts the rest;
-    :attr:`MetaEvalResult.unscorable` the dropped)."""
+    :attr:`MetaEvalResult.unscorable` the dropped). A system-level row over
+    fewer than :data:`MIN_SYSTEMS` systems adds a warning to
+    :attr:`MetaEvalResult.notes`."""
     from storyrl.eval.scoring import score_context
 
     ids = ratings.story_ids
@@ -264,6 +273,11 @@ def ratings_table(ratings: Any, records: Mapping[str, Any], metrics: Sequence[Me
             continue
         result.succeeded.append(metric.name)
         kept_ids = [sid for sid, k in zip(ids, keep) if k]
+        n_systems = len({ratings.systems[sid] for sid in kept_ids}) if ratings.systems else None
+        if n_systems is not None and n_systems < MIN_SYSTEMS:
+            result.notes.append(f"warning: {metric.name}: the system-level correlations rest on {n_systems} "
+                                f"system{'s' * (n_systems != 1)} (fewer than {MIN_SYSTEMS}): "
+                                "not evidence of agreement; read the story-level rows")
         for aspect in ratings.aspects:
             means = ratings.story_means(aspect)
             human = np.array([means[sid] for sid in kept_ids])
