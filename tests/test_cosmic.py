@@ -443,6 +443,20 @@ def test_reward_unscorable_cases(trained, images, tmp_path):
     assert math.isfinite(selfref[0])
 
 
+
+def test_a_lone_surrogate_in_the_reference_or_story_is_cleaned(trained, images):
+    """The reference is cleaned as the story is (a lone surrogate, e.g. from a
+    JSON "\\ud800" escape, used to make a valid story NaN)."""
+    reward = _reward(trained)
+    ref = REFS[0].replace("road", "road\ud800")
+    story = STORIES[0].replace("dog", "dog\ud800")
+    cleaned = REFS[0].replace("road", "road\ufffd")
+    scores = reward.score([STORIES[0], story], images=[images, images], reference=[ref, REFS[0]])
+    assert np.isfinite(scores).all()
+    assert scores[0] == pytest.approx(reward.score([STORIES[0]], images=[images], reference=[cleaned])[0], abs=1e-6)
+    listed = reward.score([STORIES[0]], images=[images], reference=[[s + "." for s in ref.split(". ")]])
+    assert math.isfinite(listed[0])
+
 def test_reward_pickle_trl_and_registry(trained, images):
     from storyrl.rewards import get_reward_class
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
-from storyrl.rewards.base import Reward
+from storyrl.rewards.base import Reward, clean_text
 from storyrl.rewards.region_base import ImageConfig
 
 LABELS = ("Meta", "Visible", "Subjective", "Story", "Action")
@@ -91,7 +91,9 @@ class COSMiC(Reward):
                 return [], "no reference"
             refs, ref_label = sentences, self.candidate_label
         else:
-            refs = split_sentences(reference) if isinstance(reference, str) else [str(r) for r in reference]
+            # cleaned as the story is (Reward.score): a lone surrogate would break the tokenizer
+            refs = (split_sentences(clean_text(reference)) if isinstance(reference, str)
+                    else [clean_text(str(r)) for r in reference])
             ref_label = self.reference_label
         n = len(images)
         if (len(sentences) != n or len(refs) != n) and self.count_mismatch == "nan":
