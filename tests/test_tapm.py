@@ -199,6 +199,32 @@ def test_save_and_reload_give_identical_generations(trained, data, tmp_path):
     assert best.generate_sentences(feats, mask, max_new_tokens=4)
 
 
+def test_an_empty_tapm_story_is_a_failure_with_its_reason(tmp_path):
+    """A story whose every sentence decodes to nothing is recorded as a failure,
+    not written as "" with "failures": 0 (issue 21 item 5)."""
+    from storyrl.data import StoryRecord
+    from storyrl.generators import create_generator
+
+    generator = create_generator("tapm", model=str(tmp_path), batch_size=3, max_new_tokens=4)
+
+    class Model:  # token 0 decodes to "", anything else to a word
+        def generate_sentences(self, features, mask, max_new_tokens):
+            return [[[1, 2], [3]], [[0], [0]], [[0], [5]]]
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join("w" for i in ids if i) + ("  " if not any(ids) else "")
+
+    generator._model, generator._tokenizer = Model(), Tokenizer()
+    generator._features = lambda records: ({}, None)
+    records = [StoryRecord(story_id=s, story="") for s in ("a", "b", "c")]
+    out = generator.generate(records)
+    assert out.stories == {"a": "w w w", "c": "w"}
+    assert list(out.failures) == ["b"]
+    assert out.failures["b"] == ("ValueError: empty story: the model generated no text for any of its 2 images "
+                                 "(max_new_tokens=4)")
+
+
 @pytest.mark.slow
 def test_tapm_generator_writes_a_story_per_record(trained, data, tmp_path):
     from storyrl.data import load_stories

@@ -140,5 +140,9 @@ class TapmGenerator(Generator):
         stories = []
         for sentences in tokens:
             texts = [self._tokenizer.decode(s, skip_special_tokens=True).strip() for s in sentences]
-            stories.append(" ".join(t for t in texts if t))
+            story = " ".join(t for t in texts if t)
+            # An empty story is a failure with its reason, not a story: Generator.generate
+            # records an exception in a record's place as that record's failure.
+            stories.append(story or ValueError(f"empty story: the model generated no text for any of its "
+                                               f"{len(sentences)} images (max_new_tokens={self.args.max_new_tokens})"))
         return stories
