@@ -4,10 +4,11 @@
 the rewards and models that need them.
 """
 
-from storyrl.compat import install_torchvision_hook
+from storyrl.compat import check_earlier_torchvision_import, install_torchvision_hook
 
 __version__ = "0.1.0"
 
 # CPU-only machines may have a torchvision whose compiled ops cannot load; make
 # sure pure-PyTorch fallbacks are registered before anyone imports it.
+check_earlier_torchvision_import()  # imported too late to prevent it: say what to do
 install_torchvision_hook()

@@ -21,7 +21,8 @@ import sys
 import threading
 import warnings
 
-__all__ = ["TorchvisionOpsFallbackWarning", "ensure_torchvision_ops", "install_torchvision_hook"]
+__all__ = ["TorchvisionImportedTooEarlyWarning", "TorchvisionOpsFallbackWarning", "check_earlier_torchvision_import",
+           "ensure_torchvision_ops", "install_torchvision_hook"]
 
 # Schemas must match torchvision's C++ definitions exactly: its
 # _meta_registrations.py and ops/boxes.py address these ops by name.
@@ -37,6 +38,48 @@ _library = None  # keeps the torch.library registrations alive
 
 class TorchvisionOpsFallbackWarning(UserWarning):
     """torchvision's compiled ops failed to load; pure-PyTorch fallbacks are in use."""
+
+
+class TorchvisionImportedTooEarlyWarning(UserWarning):
+    """torchvision was imported (and broke) before storyrl could install its fallback."""
+
+
+_checked_earlier_import = False
+
+
+def check_earlier_torchvision_import() -> str | None:
+    """Warn once if torchvision was imported before storyrl and is broken.
+
+    Two states are recognised without importing anything: an import of
+    torchvision that failed (``torchvision`` is not in :data:`sys.modules` but
+    its submodules are: what transformers reports as ``Could not import module
+    'AlbertModel'`` after ``import transformers`` came first on a CPU machine
+    with a CUDA torchvision), and a torchvision imported without its compiled
+    ops and without storyrl's fallback. Returns the warning's text, or None.
+    """
+    global _checked_earlier_import
+    if _checked_earlier_import:
+        return None
+    _checked_earlier_import = True
+    if "torchvision" not in sys.modules:
+        if not any(name.startswith("torchvision.") for name in list(sys.modules)):
+            return None
+        what = ("an import of torchvision failed before storyrl was imported (its compiled ops do not load "
+                "here); the next import gets storyrl's fallback")
+    else:
+        has_ops = getattr(sys.modules.get("torchvision.extension"), "_has_ops", None)
+        try:
+            broken = callable(has_ops) and not has_ops() and not _state
+        except Exception:  # noqa: BLE001  (a stand-in module: nothing to judge)
+            broken = False
+        if not broken:
+            return None
+        what = "torchvision was imported before storyrl without its compiled ops (nms and friends will fail)"
+    message = (f"{what}. Import storyrl before transformers, trl, timm or open_clip, or call "
+               "storyrl.compat.ensure_torchvision_ops() first; a library that already caught the failure "
+               "(transformers: \"Could not import module 'AlbertModel'\") may keep it until the process restarts.")
+    warnings.warn(message, TorchvisionImportedTooEarlyWarning, stacklevel=3)
+    return message
 
 
 def _real_spec(name: str):

@@ -192,3 +192,59 @@ def test_hook_survives_an_availability_probe():
         }))
     """)
     assert out == {"probed": True, "nms": [0], "hook_left": False}
+
+
+@pytest.mark.parametrize("state, warned", [
+    ("clean", False),
+    ("failed", True),  # torchvision's import died: its submodules stay, torchvision does not
+    ("imported-without-ops", True),
+    ("imported-with-ops", False),
+])
+def test_torchvision_broken_before_storyrl_is_warned_once(state, warned):
+    """Issue 21 item 7: torchvision broken by an import before storyrl's is named, with what to do."""
+    out = run_py(f"""
+        import json, sys, types, warnings
+        state = {state!r}
+        ext = types.ModuleType("torchvision.extension")
+        ext._has_ops = lambda: state == "imported-with-ops"
+        if state != "clean":
+            sys.modules["torchvision.extension"] = ext
+        if state.startswith("imported"):
+            sys.modules["torchvision"] = types.ModuleType("torchvision")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import storyrl
+            import storyrl.compat as c
+            again = c.check_earlier_torchvision_import()
+        mine = [str(w.message) for w in caught if w.category is c.TorchvisionImportedTooEarlyWarning]
+        print(json.dumps({{"messages": mine, "again": again}}))
+    """)
+    assert out["again"] is None
+    assert len(out["messages"]) == int(warned)
+    if warned:
+        assert "Import storyrl before transformers" in out["messages"][0]
+        assert "storyrl.compat.ensure_torchvision_ops()" in out["messages"][0]
+
+
+def test_transformers_before_storyrl_is_detected_and_recovers():
+    """The real case: on a CPU machine with a CUDA torchvision, transformers' AlbertModel fails
+    before storyrl is imported; import storyrl says so and the next import works."""
+    if native_ops_load():
+        pytest.skip("torchvision's compiled ops load here: nothing breaks")
+    out = run_py("""
+        import json, warnings
+        import transformers
+        try:
+            from transformers import AlbertModel
+            first = "ok"
+        except Exception as exc:
+            first = str(exc)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import storyrl
+            from storyrl.compat import TorchvisionImportedTooEarlyWarning
+            from transformers import AlbertModel
+        print(json.dumps({"first": first,
+                          "warned": sum(w.category is TorchvisionImportedTooEarlyWarning for w in caught)}))
+    """)
+    assert "AlbertModel" in out["first"] and out["warned"] == 1
