@@ -28,6 +28,7 @@ import inspect
 import math
 import os
 import re
+import sys
 import types
 import typing
 import collections.abc as cabc
@@ -143,9 +144,52 @@ def _loader():
     class Loader(yaml.SafeLoader):
         """SafeLoader that also reads ``1e-5`` (no dot) as a float, as YAML 1.2 does."""
 
+        def get_single_node(self):
+            node = super().get_single_node()
+            if node is not None:
+                _check_alias_expansion(node)
+            return node
+
     Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
     return Loader
+
+
+#: How many nodes YAML aliases may add to a document once expanded: nested
+#: aliases ("billion laughs") make a few hundred bytes stand for billions of
+#: values, which exhaust memory as soon as anything walks them.
+MAX_ALIAS_NODES = 100_000
+
+
+class _AliasBomb(Exception):
+    pass
+
+
+def _check_alias_expansion(root: Any) -> None:
+    """Refuse a document whose aliases expand to more than
+    :data:`MAX_ALIAS_NODES` nodes beyond its own, or that contains itself."""
+    import yaml
+
+    sizes: dict[int, int | None] = {}  # None: being counted (a cycle when met again)
+
+    def size(node: Any) -> int:
+        known = sizes.get(id(node), 0)
+        if known is None:
+            raise _AliasBomb("an alias refers to a node that contains it")
+        if known:
+            return known
+        sizes[id(node)] = None
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(size(key) + size(value) for key, value in node.value)
+        sizes[id(node)] = total
+        if total - len(sizes) > MAX_ALIAS_NODES:
+            raise _AliasBomb(f"its aliases expand to more than {MAX_ALIAS_NODES:,} values")
+        return total
+
+    size(root)
 
 
 def load_yaml(path: str | os.PathLike) -> Any:
@@ -155,11 +199,22 @@ def load_yaml(path: str | os.PathLike) -> Any:
 
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigFileError(f"{path}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         return yaml.load(text, Loader=_loader())  # noqa: S506  (a SafeLoader subclass)
+    except _AliasBomb as exc:
+        raise ConfigFileError(f"{path}: refused: {exc}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{path}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # int() of a longer number than Python converts
+        if "integer string conversion" not in str(exc):
+            raise
+        limit = sys.get_int_max_str_digits()
+        match = re.search(rf"\d{{{limit + 1},}}", text)
+        where = f" at line {text.count(chr(10), 0, match.start()) + 1}" if match else ""
+        raise ConfigFileError(f"{path}: invalid YAML{where}: a number with more than {limit} digits") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

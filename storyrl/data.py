@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storyrl.input_text import csv_problem, json_loads, read_text
+
 __all__ = [
     "StoryDataError",
     "StoryRecord",
@@ -97,7 +99,7 @@ def load_stories(path: str | os.PathLike) -> list[StoryRecord]:
     ``{story_id: story}`` (any other extension)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
     if path.suffix == ".jsonl":
@@ -110,7 +112,7 @@ def load_stories(path: str | os.PathLike) -> list[StoryRecord]:
 
 def _parse_json_object(text: str, path: Path) -> list[StoryRecord]:
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicate_keys(path))
+        data = json_loads(text, object_pairs_hook=_no_duplicate_keys(path))
     except json.JSONDecodeError as exc:
         raise StoryDataError(path, f"invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from exc
     if not isinstance(data, dict):
@@ -128,7 +130,7 @@ def load_id_lists(path: str | os.PathLike, what: str = "list") -> dict[str, list
     the authors' noun-phrase files. ``what`` names the lists in errors."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys(path))
+        data = json_loads(read_text(path), object_pairs_hook=_no_duplicate_keys(path))
     except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
     except json.JSONDecodeError as exc:
@@ -146,7 +148,7 @@ def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:
             continue
         where = f"at line {lineno}"
         try:
-            obj = json.loads(line)
+            obj = json_loads(line)
         except json.JSONDecodeError as exc:
             raise StoryDataError(path, f"invalid JSON: {exc.msg}", where) from exc
         if not isinstance(obj, dict):
@@ -261,8 +263,8 @@ def _read_score_file(path: str | os.PathLike, metric: str | None = None) -> Scor
         if metric is None:
             raise StoryDataError(path, "a {story_id: score} JSON file needs a metric name (METRIC=PATH)")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicate_keys(path))
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json_loads(read_text(path), object_pairs_hook=_no_duplicate_keys(path))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise StoryDataError(path, f"cannot read: {exc}") from exc
         if not isinstance(data, dict):
             raise StoryDataError(path, "expected a JSON object {story_id: score}")
@@ -273,7 +275,7 @@ def _read_score_file(path: str | os.PathLike, metric: str | None = None) -> Scor
             column[sid] = math.nan if value is None else float(value)
         return ScoreTable(list(column), {metric: column})
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
     return parse_score_csv(text, path, metric)
@@ -286,10 +288,11 @@ def parse_score_csv(
     when given), the cell count of every row, every score cell (a number,
     empty or ``nan``) and unique story ids. Errors name the file and line."""
     path = Path(path)
+    reader = csv.reader(io.StringIO(text, newline=""))
     try:
-        rows = list(csv.reader(io.StringIO(text, newline="")))
+        rows = list(reader)
     except csv.Error as exc:
-        raise StoryDataError(path, f"malformed CSV: {exc}") from None
+        raise StoryDataError(path, f"malformed CSV: {csv_problem(exc)}", f"at line {reader.line_num}") from None
     if header is not None and rows and rows[0] != list(header):
         raise StoryDataError(path, f"header {rows[0]} differs from {list(header)}", "at line 1")
     if not rows or "story_id" not in rows[0]:

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from storyrl.data import StoryDataError, StoryRecord
+from storyrl.input_text import ENCODING, csv_problem, json_loads, open_text, read_text
 
 __all__ = ["DATA_FORMATS", "is_vist_sis", "load_records", "load_some_records", "load_vist_sis", "load_vwp", "read_vist_sis",
            "vist_sis_records"]
@@ -62,10 +63,10 @@ def is_vist_sis(path: str | os.PathLike) -> bool:
     path = Path(path)
     try:
         with path.open("rb") as f:
-            if f.read(4096).lstrip()[:1] != b"{":
+            if f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()[:1] != b"{":
                 return False
             f.seek(0)
-            data = json.load(f)
+            data = json_loads(f.read().decode(ENCODING))
     except (OSError, ValueError):
         return False  # the records reader reports what is wrong
     return isinstance(data, dict) and isinstance(data.get("annotations"), list)
@@ -83,8 +84,8 @@ def read_vist_sis(path: str | os.PathLike) -> dict[str, list[dict]]:
     order, validated (for callers that need each image's own text)."""
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        data = json_loads(read_text(path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
     if not isinstance(data, dict) or not isinstance(data.get("annotations"), list):
         raise StoryDataError(path, "not a VIST SIS file: no 'annotations' list")
@@ -129,10 +130,13 @@ def load_vwp(path: str | os.PathLike, text_column: str = "story") -> list[StoryR
     """
     path = Path(path)
     try:
-        with path.open(newline="", encoding="utf-8") as fh:
-            rows = list(csv.DictReader(fh))
-    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        with open_text(path) as fh:
+            reader = csv.DictReader(fh)
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError) as exc:
         raise StoryDataError(path, f"cannot read: {exc}") from exc
+    except csv.Error as exc:
+        raise StoryDataError(path, f"malformed CSV: {csv_problem(exc)}", f"at line {reader.reader.line_num}") from None
     if rows and ("scene_full_id" not in rows[0] or text_column not in rows[0]):
         raise StoryDataError(path, f"not a VWP split: needs 'scene_full_id' and '{text_column}' columns")
     per_scene: dict[str, int] = defaultdict(int)

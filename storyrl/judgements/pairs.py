@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from storyrl.input_text import json_loads, read_text
 from storyrl.judgements import JudgementDataError
 from storyrl.judgements.vhed import DEFAULT_REFERENCE_MODELS, VHEDData, is_reference_model
 
@@ -234,7 +235,7 @@ def load_pairs_jsonl(path: str | os.PathLike) -> list[PreferencePair]:
     """Read and validate a JSONL file of preference pairs (module docstring)."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_text(path).splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise JudgementDataError(f"{path}: cannot read: {exc}") from None
     pairs = []
@@ -243,7 +244,7 @@ def load_pairs_jsonl(path: str | os.PathLike) -> list[PreferencePair]:
             continue
         where = f"{path}: line {n}"
         try:
-            obj = json.loads(line)
+            obj = json_loads(line)
         except json.JSONDecodeError as exc:
             raise JudgementDataError(f"{where}: invalid JSON: {exc.msg}") from None
         pairs.append(_pair(obj, where))

@@ -64,6 +64,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storyrl.input_text import csv_problem, json_loads, open_text, read_text
 from storyrl.judgements import JudgementDataError
 
 __all__ = [
@@ -140,10 +141,10 @@ def _fail(path: Path, row: int | None, message: str) -> JudgementDataError:
 
 def _read_image_map(path: Path) -> dict[str, str]:
     base = path.parent
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if path.suffix.lower() == ".json":
         try:
-            data = json.loads(text)
+            data = json_loads(text)
         except json.JSONDecodeError as exc:
             raise _fail(path, None, f"not valid JSON: {exc}") from exc
         if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
@@ -151,14 +152,17 @@ def _read_image_map(path: Path) -> dict[str, str]:
         items = data.items()
     else:
         reader = csv.DictReader(text.splitlines(), delimiter="\t", quoting=csv.QUOTE_NONE)
-        missing = [c for c in ("url", "path") if c not in (reader.fieldnames or [])]
-        if missing:
-            raise _fail(path, None, f"missing column(s) {', '.join(missing)} (an image map TSV needs url and path)")
-        items = []
-        for n, row in enumerate(reader, 1):
-            if not row["url"] or not row["path"]:
-                raise _fail(path, n, "empty url or path")
-            items.append((row["url"], row["path"]))
+        try:
+            missing = [c for c in ("url", "path") if c not in (reader.fieldnames or [])]
+            if missing:
+                raise _fail(path, None, f"missing column(s) {', '.join(missing)} (an image map TSV needs url and path)")
+            items = []
+            for n, row in enumerate(reader, 1):
+                if not row["url"] or not row["path"]:
+                    raise _fail(path, n, "empty url or path")
+                items.append((row["url"], row["path"]))
+        except csv.Error as exc:
+            raise _fail(path, max(reader.reader.line_num - 1, 0), f"malformed TSV: {csv_problem(exc)}") from None
     return {url: str(base / p) if not Path(p).is_absolute() else p for url, p in items}
 
 
@@ -190,34 +194,41 @@ def load_raccoon(
     if directory is not None and not directory.is_dir():
         raise FileNotFoundError(f"image_dir {directory} is not a directory")
     data = RaCCoonData(records=[], path=path)
-    with open(path, encoding="utf-8", newline="") as f:
+    with open_text(path) as f:
         # The authors' TSV has no quoting: a caption's quote character is text.
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = next(reader, None)
-        if header is None:
-            raise _fail(path, None, "empty file (no header)")
-        missing = [c for c in REQUIRED_COLUMNS if c not in header]
-        if missing:
-            raise _fail(path, None, f"missing column(s): {', '.join(missing)}")
-        index = {c: header.index(c) for c in REQUIRED_COLUMNS}
-        for n, fields in enumerate(reader, 1):
-            if not fields or fields == [""]:
-                continue  # a blank line (e.g. trailing)
-            if len(fields) != len(header):
-                raise _fail(path, n, f"{len(fields)} fields for {len(header)} columns")
-            record = _parse_row(path, n, fields, index, data, action_ratings, unrated)
-            if record is None:
-                continue
-            if mapping is not None or directory is not None:
-                image = mapping.get(record["url"]) if mapping is not None else None
-                if image is None and directory is not None:
-                    image = _find_in_dir(directory, record["url"])
-                if image is None or not Path(image).is_file():
-                    data.skipped["missing image"] += 1
-                    continue
-                record["image"] = image
-            data.records.append(RaCCoonRecord(**record, row=n))
+        try:
+            _read_rows(path, reader, data, mapping, directory, action_ratings, unrated)
+        except csv.Error as exc:
+            raise _fail(path, max(reader.line_num - 1, 0), f"malformed TSV: {csv_problem(exc)}") from None
     return data
+
+
+def _read_rows(path: Path, reader, data: RaCCoonData, mapping, directory, action_ratings: str, unrated: str) -> None:
+    header = next(reader, None)
+    if header is None:
+        raise _fail(path, None, "empty file (no header)")
+    missing = [c for c in REQUIRED_COLUMNS if c not in header]
+    if missing:
+        raise _fail(path, None, f"missing column(s): {', '.join(missing)}")
+    index = {c: header.index(c) for c in REQUIRED_COLUMNS}
+    for n, fields in enumerate(reader, 1):
+        if not fields or fields == [""]:
+            continue  # a blank line (e.g. trailing)
+        if len(fields) != len(header):
+            raise _fail(path, n, f"{len(fields)} fields for {len(header)} columns")
+        record = _parse_row(path, n, fields, index, data, action_ratings, unrated)
+        if record is None:
+            continue
+        if mapping is not None or directory is not None:
+            image = mapping.get(record["url"]) if mapping is not None else None
+            if image is None and directory is not None:
+                image = _find_in_dir(directory, record["url"])
+            if image is None or not Path(image).is_file():
+                data.skipped["missing image"] += 1
+                continue
+            record["image"] = image
+        data.records.append(RaCCoonRecord(**record, row=n))
 
 
 def _parse_row(path: Path, n: int, fields: list[str], index: dict, data: RaCCoonData, action_ratings: str,

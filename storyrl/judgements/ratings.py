@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storyrl.input_text import csv_problem, open_text
 from storyrl.judgements import JudgementDataError
 
 __all__ = ["DEFAULT_ASPECTS", "Ratings", "load_ratings", "parse_where"]
@@ -82,7 +83,7 @@ def load_ratings(
         raise ValueError("at least one aspect column is needed")
     low, high = scale
     try:
-        with open(path, newline="", encoding="utf-8") as handle:
+        with open_text(path) as handle:
             reader = csv.reader(handle)
             header = next(reader, None)
             if not header:
@@ -114,7 +115,7 @@ def load_ratings(
     except (OSError, UnicodeDecodeError) as exc:
         raise JudgementDataError(f"{path}: cannot read: {exc}") from None
     except csv.Error as exc:
-        raise JudgementDataError(f"{path}: malformed CSV: {exc}") from None
+        raise JudgementDataError(f"{path}: line {reader.line_num}: malformed CSV: {csv_problem(exc)}") from None
     if not ratings.values:
         filters = f" matching {', '.join(f'{c}={v}' for c, v in where.items())}" if where else ""
         raise JudgementDataError(f"{path}: no rating rows{filters}")

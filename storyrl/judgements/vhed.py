@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from storyrl.input_text import csv_problem, open_text
 from storyrl.judgements import JudgementDataError
 
 __all__ = [
@@ -161,7 +162,7 @@ def load_vhed(path: str | os.PathLike, *, drop_zero_gap: bool = True) -> VHEDDat
     """Read and validate a VHED-format CSV (see the module docstring)."""
     path = Path(path)
     try:
-        with open(path, newline="", encoding="utf-8") as handle:
+        with open_text(path) as handle:
             reader = csv.DictReader(handle)
             header = reader.fieldnames
             if not header:
@@ -186,5 +187,5 @@ def load_vhed(path: str | os.PathLike, *, drop_zero_gap: bool = True) -> VHEDDat
     except (OSError, UnicodeDecodeError) as exc:
         raise JudgementDataError(f"{path}: cannot read: {exc}") from None
     except csv.Error as exc:
-        raise JudgementDataError(f"{path}: malformed CSV: {exc}") from None
+        raise JudgementDataError(f"{path}: line {reader.reader.line_num}: malformed CSV: {csv_problem(exc)}") from None
     return VHEDData(pairs=pairs, path=path, zero_gap_dropped=dropped, rows=rows)

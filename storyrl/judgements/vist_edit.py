@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from storyrl.input_text import json_loads, read_text
 from storyrl.judgements import JudgementDataError
 from storyrl.judgements.pairs import PreferencePair
 
@@ -111,7 +112,7 @@ def load_vist_edit(root: str | os.PathLike) -> VistEditData:
         files[model] = len(paths)
         for split, path in paths:
             try:
-                obj = json.loads(path.read_text(encoding="utf-8"))
+                obj = json_loads(read_text(path))
             except (OSError, UnicodeDecodeError) as exc:
                 raise JudgementDataError(f"{path}: cannot read: {exc}") from None
             except json.JSONDecodeError as exc:
