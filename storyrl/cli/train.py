@@ -75,8 +75,9 @@ def _train_command(name: str, description: str) -> click.Command:
         }))
 
     outputs, config_file, resume_help = _LAYOUTS.get(name, _FIT_LAYOUT)
-    help_text = (f"{description} Trains from a config YAML; every config key can also be given as an option, "
-                 f"which wins over the file. {outputs}")
+    help_text = (f"{description} Trains from a config YAML; every top-level config key can also be given as an "
+                 f"option, which wins over the file (nested mappings such as grpo:, ppo:, rloo:, lora: only in the file). "
+                 f"{outputs}")
     params = [
         click.Option(["--config", "config_path"], required=True, type=_FILE,
                      help=f"Training config YAML ({config_file.format(name=name)})."),
