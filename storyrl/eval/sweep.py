@@ -262,11 +262,14 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
     """The cell's stories are complete for these records, with the cell's
     options (a changed option is an error, not a silent reuse)."""
     from storyrl.generators import GENERATORS
-    from storyrl.generators.runs import check_same_options, sidecar_path
+    from storyrl.generators.runs import check_same_options, pair_is_whole, sidecar_path
 
     meta = _sidecar(cell)
     if not meta or meta.get("complete") is not True or not cell.stories.is_file():
         return False
+    text = cell.stories.read_text(encoding="utf-8")
+    if not pair_is_whole(meta, text):
+        return False  # killed between the sidecar and the story file: generate_to_file resumes it
     cls = GENERATORS.get(cell.generator)
     now = {"generator": cls.name or cell.generator, "options": _generator_config(cell).to_dict()}
     try:
@@ -274,7 +277,7 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
     except ValueError as exc:
         reason = str(exc).split("; use another output file")[0]
         raise ValueError(f"{reason}; use another output_dir, or delete {cell.directory} to redo the cell") from None
-    stories = json.loads(cell.stories.read_text(encoding="utf-8"))
+    stories = json.loads(text)
     return all(sid in stories or sid in meta.get("failures", {}) for sid in ids)
 
 

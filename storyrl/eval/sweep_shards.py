@@ -59,7 +59,7 @@ def merge_shards(out: str | os.PathLike, shards: Sequence[str | os.PathLike], re
     and its sidecar, stories in record order, then remove the shards.
     Every record must be in exactly one shard, as a story or a failure.
     Returns the merged sidecar."""
-    from storyrl.generators.runs import sidecar_path
+    from storyrl.generators.runs import sidecar_path, text_sha256
     from storyrl.output_files import replace_file
 
     stories: dict[str, str] = {}
@@ -85,11 +85,13 @@ def merge_shards(out: str | os.PathLike, shards: Sequence[str | os.PathLike], re
         raise ValueError(f"{out}: the shards miss story {missing[0]!r} ({len(missing)} missing)")
     merged = {sid: stories[sid] for sid in ids if sid in stories}
     failed = {sid: failures[sid] for sid in ids if sid in failures}
+    text = json.dumps(merged, indent=1, ensure_ascii=False) + "\n"
     meta = {**metas[0], "complete": True, "shards": len(metas),
-            "counts": {"records": len(ids), "stories": len(merged), "failures": len(failed)}, "failures": failed}
+            "counts": {"records": len(ids), "stories": len(merged), "failures": len(failed)}, "failures": failed,
+            "stories_sha256": text_sha256(text)}
     # Stories first, then the sidecar that says "complete": a kill between
     # the two leaves an incomplete cell, which the next run merges again.
-    replace_file(out, json.dumps(merged, indent=1, ensure_ascii=False) + "\n", overwrite=True)
+    replace_file(out, text, overwrite=True)
     replace_file(sidecar_path(out), json.dumps(meta, indent=1, ensure_ascii=False) + "\n", overwrite=True)
     for shard in map(Path, shards):
         shard.unlink(missing_ok=True)

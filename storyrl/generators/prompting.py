@@ -25,6 +25,7 @@ has one, else ``plain``).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ BACKENDS = ("transformers", "vllm")
 #: The d_HM prompts P1-P3 (``configs/prompts/dhm.yaml`` of a source checkout).
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "configs" / "prompts" / "dhm.yaml"
 _SIZE = re.compile(r"^([1-9]\d*)x([1-9]\d*)$")
+#: Most pixels (width x height) ``sequence_image_size`` may ask for per image: 4096x4096. The sequence image
+#: holds one such image per story image, and a VLM's processor shrinks it to a few hundred pixels anyway.
+MAX_SEQUENCE_IMAGE_PIXELS = 4096 * 4096
 
 
 @dataclass
@@ -63,12 +67,13 @@ class PromptingConfig(GeneratorConfig):
     image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
                                     path="dir")
     sequence_image_size: str | None = option(None, "Resize each image to WIDTHxHEIGHT before building the "
-                                             "sequence image (the authors: 256x256 for VIST; VWP frames kept).")
+                                             "sequence image (the authors: 256x256 for VIST; VWP frames kept); "
+                                             "at most 16,777,216 pixels (4096x4096).")
     sequence_image_dir: str | None = option(None, "Ready sequence images, <story_id>.png or seq_<story_id>.png "
                                             "(the authors' PNGs), used for the visual setting.", path="dir")
     max_new_tokens: int = option(500, "Most new tokens per generation.", min=1)
     do_sample: bool = option(False, "Sample instead of greedy decoding.")
-    temperature: float = option(1.0, "Sampling temperature.", min=0.0)
+    temperature: float = option(1.0, "Sampling temperature (finite, >= 0).", min=0.0)
     top_p: float = option(1.0, "Nucleus sampling mass.", min=0.0, max=1.0)
     top_k: int = option(50, "Top-k sampling (0: off).", min=0)
     num_beams: int = option(1, "Beam search width (transformers backend).", min=1)
@@ -84,6 +89,13 @@ class PromptingConfig(GeneratorConfig):
         problems = []
         if self.sequence_image_size is not None and not _SIZE.match(self.sequence_image_size):
             problems.append(f"sequence_image_size must look like 256x256, got {self.sequence_image_size!r}")
+        elif self.sequence_image_size is not None:
+            w, h = map(int, _SIZE.match(self.sequence_image_size).groups())
+            if w * h > MAX_SEQUENCE_IMAGE_PIXELS:
+                problems.append(f"sequence_image_size {self.sequence_image_size} is {w * h:,} pixels; at most "
+                                f"{MAX_SEQUENCE_IMAGE_PIXELS:,} (MAX_SEQUENCE_IMAGE_PIXELS, 4096x4096)")
+        if isinstance(self.temperature, (int, float)) and math.isinf(self.temperature):  # nan: the bound check
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         return problems
 
     @property
