@@ -3,10 +3,10 @@
 This module holds the ``main`` group (one-line errors, exit 130 on Ctrl-C,
 ``--debug``, ``--version``) and registers the commands of its modules:
 ``score`` (score, groovist-calibrate, rewards), ``eval`` (dhm), ``data``
-(regions, assets) and ``train`` (one command per registered trainer); their
-shared helpers are in ``common``, the options generated from config
-dataclasses in ``config_options`` and the reward-specific parts in
-``reward_options``.
+(regions, assets), ``train`` (one command per registered trainer) and
+``launch`` (multi-process runs, also on the CPU); their shared helpers are
+in ``common``, the options generated from config dataclasses in
+``config_options`` and the reward-specific parts in ``reward_options``.
 
 Heavy libraries are imported inside the commands that need them, so
 ``storyrl --help`` and model-free scoring start fast.
@@ -24,6 +24,7 @@ from storyrl.cli.data import assets, regions
 from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
+from storyrl.cli.launch import launch
 from storyrl.cli.meta_eval import meta_eval
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.serve import serve
@@ -95,3 +96,4 @@ for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, asse
 main.add_command(ablate)
 main.add_command(serve)
 main.add_command(meta_eval)
+main.add_command(launch)
