@@ -89,6 +89,9 @@ class VllmEngine:
             options["quantization"] = "bitsandbytes"
         if device not in (None, "auto", "cuda"):
             options["device"] = device
+        from storyrl.models.hub import require_hub_model
+
+        require_hub_model(model, hint="pass a local copy's directory as the model (storyrl generate --model DIR)")
         self.processor = AutoProcessor.from_pretrained(model, revision=revision)
         config = AutoConfig.from_pretrained(model, revision=revision)
         self.family = config.model_type

@@ -53,10 +53,16 @@ class ClipEmbedder:
         import open_clip
         import torch
 
+        from storyrl.models.hub import open_clip_hub_id, require_hub_model
+
         self.spec = spec
         self.batch_size = batch_size
         self.device = resolve_device(spec.device)
         self.precision = resolve_precision(spec.precision, self.device)
+        hub_id = open_clip_hub_id(spec.model, spec.pretrained)
+        if hub_id:
+            require_hub_model(hub_id, what=f"CLIP model {spec.model!r} (pretrained={spec.pretrained!r})",
+                              hint="pass a local checkpoint file as pretrained")
         try:
             model, _, preprocess = open_clip.create_model_and_transforms(
                 spec.model, pretrained=spec.pretrained, precision=self.precision, device=self.device

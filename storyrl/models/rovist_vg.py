@@ -117,7 +117,14 @@ class RovistVGModel(nn.Module):
         since ``embed_dim`` here is the joint embedding size."""
         import timm
 
+        from storyrl.models.hub import require_hub_model, timm_hub_id
+
         timm_kwargs = {**(timm_kwargs or {}), **more_timm_kwargs}
+        hub_id = timm_hub_id(vit_name, timm_kwargs.get("pretrained_cfg_overlay")) if pretrained_vit else None
+        if hub_id:
+            require_hub_model(hub_id, what=f"timm model {vit_name!r} (weights)",
+                              hint="pass local weights with pretrained_cfg_overlay={'file': PATH} or build with "
+                                   "pretrained_vit=False")
 
         try:
             vit = timm.create_model(vit_name, pretrained=pretrained_vit, num_classes=0, **timm_kwargs)

@@ -67,6 +67,8 @@ def _load(name: str, revision: str | None, device, precision: str, load_in_4bit:
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from storyrl.models.hub import require_hub_model
+
     dtype = getattr(torch, _DTYPES[precision])
     kwargs: dict[str, Any] = {"revision": revision, "dtype": dtype}
     if load_in_4bit:
@@ -80,6 +82,7 @@ def _load(name: str, revision: str | None, device, precision: str, load_in_4bit:
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0}
+    require_hub_model(name, hint="pass a local copy's directory as the model (storyrl generate --model DIR)")
     processor = AutoProcessor.from_pretrained(name, revision=revision)
     model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
     if not load_in_4bit:

@@ -69,12 +69,17 @@ class FeatureExtractor:
         import timm
         import torch
 
+        from storyrl.models.hub import require_hub_model, timm_hub_id
         from storyrl.models.runtime import resolve_device
 
         self.device = resolve_device(device)
         self.names = [backbone] + ([vit] if vit else [])
         self.models, self.transforms = [], []
         for name in self.names:
+            hub_id = timm_hub_id(name) if pretrained else None
+            if hub_id:
+                require_hub_model(hub_id, what=f"timm backbone {name!r} (weights)",
+                                  hint="pass --no-pretrained (random weights)")
             try:
                 model = timm.create_model(name, pretrained=pretrained, num_classes=0)
             except RuntimeError as exc:  # unknown model name

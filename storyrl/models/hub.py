@@ -1,0 +1,141 @@
+"""Fail fast when a model must come from an unreachable Hugging Face hub.
+
+Offline, a hub download retries for about 50 s (and 60 lines of warnings)
+before failing with an error that names neither the model nor what to do.
+:func:`require_hub_model` is called before every hub download: it decides
+once per process whether the hub can be reached (``HF_HUB_OFFLINE=1`` means
+no; otherwise a ~3 s TCP connect to the endpoint, cached), and when it cannot
+and the model is not in the local cache it raises :class:`HubUnreachableError`
+at once, one line naming the model and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+__all__ = ["HubUnreachableError", "hub_reachable", "open_clip_hub_id", "require_hub_model", "timm_hub_id"]
+
+PROBE_TIMEOUT_S = 3.0
+_REACHABLE: bool | None = None
+_LOCK = threading.Lock()
+
+
+class HubUnreachableError(ValueError):
+    """A model is neither local nor cached, and the hub cannot be reached."""
+
+
+def _env_offline() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+        return True
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        return False
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+
+
+def _probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a TCP connection to the endpoint's host opens within ``timeout``."""
+    parsed = urlparse(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_reachable() -> bool:
+    """False when ``HF_HUB_OFFLINE`` is set or the endpoint does not answer;
+    the probe runs once per process."""
+    global _REACHABLE
+    if _env_offline():
+        return False
+    with _LOCK:
+        if _REACHABLE is None:
+            _REACHABLE = _probe(endpoint())
+        return _REACHABLE
+
+
+def _reset() -> None:
+    """Forget the probe's answer (tests)."""
+    global _REACHABLE
+    with _LOCK:
+        _REACHABLE = None
+
+
+def _cache_dir() -> Path:
+    try:
+        from huggingface_hub import constants
+
+        return Path(constants.HF_HUB_CACHE)
+    except ImportError:  # pragma: no cover
+        return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+
+
+def in_cache(repo_id: str) -> bool:
+    """Whether the local hub cache holds a snapshot of ``repo_id`` (any revision)."""
+    snapshots = _cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    try:
+        return any(any(s.iterdir()) for s in snapshots.iterdir() if s.is_dir())
+    except OSError:
+        return False
+
+
+def require_hub_model(name: str, *, what: str = "model", hint: str = "pass a local directory instead") -> None:
+    """Raise :class:`HubUnreachableError` when ``name`` (a hub repo id or a
+    local directory) would need a download from an unreachable hub.
+
+    A local path, or a repo already in the local cache, passes without a
+    probe. ``what`` names the thing ("model", "timm backbone", ...);
+    ``hint`` is what the command offers instead (e.g. ``--no-pretrained``)."""
+    if not name or Path(name).expanduser().exists():
+        return
+    repo_id = name.removeprefix("hf-hub:").rstrip("/")
+    if in_cache(repo_id) or hub_reachable():
+        return
+    why = "HF_HUB_OFFLINE is set" if _env_offline() else f"{endpoint()} cannot be reached"
+    raise HubUnreachableError(
+        f"{what} {repo_id!r} is not in the local Hugging Face cache ({_cache_dir()}) and {why}: {hint}, "
+        "or run once with network access (HF_HUB_OFFLINE unset) to download it")
+
+
+def timm_hub_id(name: str, pretrained_cfg_overlay: dict | None = None) -> str | None:
+    """The hub repo the timm model ``name`` downloads its pretrained weights
+    from, or None (a local file, a plain URL, an unknown name)."""
+    if (pretrained_cfg_overlay or {}).get("file"):
+        return None
+    for prefix in ("hf-hub:", "hf_hub:"):
+        if name.startswith(prefix):
+            return name[len(prefix):].split("@")[0]
+    try:
+        import timm
+
+        cfg = timm.models.get_pretrained_cfg(name)
+    except Exception:  # unknown names are timm's error to report
+        return None
+    return getattr(cfg, "hf_hub_id", None) or None
+
+
+def open_clip_hub_id(model: str, pretrained: str | None) -> str | None:
+    """The hub repo open_clip downloads ``model``/``pretrained`` from, or None."""
+    if model.startswith("hf-hub:"):
+        return model[len("hf-hub:"):]
+    if not pretrained or Path(pretrained).expanduser().exists():
+        return None
+    try:
+        import open_clip
+
+        cfg = open_clip.get_pretrained_cfg(model, pretrained)
+    except Exception:
+        return None
+    parts = ((cfg or {}).get("hf_hub") or "").strip("/").split("/")
+    return "/".join(parts[:2]) if len(parts) >= 2 else None
