@@ -127,7 +127,9 @@ def launch(argv: tuple[str, ...]) -> None:
     else goes to accelerate's launcher. `storyrl launch -h` lists
     accelerate's options; this text is `--launch-help`.
     """
-    import storyrl  # noqa: F401  (installs the torchvision fallback before accelerate imports timm)
+    from storyrl.compat import install_torchvision_hook
+
+    install_torchvision_hook()  # before accelerate's imports can reach timm and torchvision (import storyrl did too)
     from accelerate.commands.launch import launch_command, launch_command_parser
 
     parser = launch_command_parser()
