@@ -35,6 +35,8 @@ __all__ = [
     "UNITS",
     "PhraseExtractor",
     "PipelineNotInstalled",
+    "check_reward_pipeline",
+    "require_pipeline",
     "load_pipeline",
     "load_pronouns",
     "replace_placeholders",
@@ -101,6 +103,46 @@ def load_pipeline(name: str = DEFAULT_PIPELINE):
         ) from exc
     _PIPELINES[name] = nlp
     return nlp
+
+
+def require_pipeline(name: str = DEFAULT_PIPELINE) -> None:
+    """Raise :class:`PipelineNotInstalled` (one line, naming the pipeline and
+    ``python -m spacy download NAME``) when :func:`load_pipeline` would fail
+    because spaCy or the pipeline is not installed. Nothing is loaded: the
+    check looks for the packages only (a local pipeline directory passes)."""
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    if name in _PIPELINES or Path(name).expanduser().is_dir():
+        return
+
+    def installed(module: str) -> bool:
+        try:
+            return find_spec(module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    install = f"python -m spacy download {name}"
+    if not installed("spacy"):
+        raise PipelineNotInstalled(
+            f"spaCy pipeline {name!r} needs spaCy, which is not installed: pip install spacy, then {install}")
+    if not installed(name):
+        raise PipelineNotInstalled(f"spaCy pipeline {name!r} is not installed; install it with: {install}")
+
+
+def check_reward_pipeline(reward: Any, given: str) -> None:
+    """For a reward that parses stories with spaCy unless its text units come
+    with the stories: raise :class:`storyrl.rewards.base.RewardError` when the
+    reward's ``spacy_pipeline`` is missing and ``reward.text_units_given`` is
+    false. ``given`` says how to pass the units instead."""
+    if getattr(reward, "text_units_given", False) or getattr(reward, "_extractor", None) is not None:
+        return
+    try:
+        require_pipeline(reward.spacy_pipeline)
+    except PipelineNotInstalled as exc:
+        from storyrl.rewards.base import RewardError
+
+        raise RewardError(f"reward {reward.name!r}: {exc} (or give {given})") from None
 
 
 def _check_units(units: str) -> None:

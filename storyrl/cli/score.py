@@ -45,9 +45,14 @@ def list_rewards_cmd(name) -> None:
     click.echo(tabulate(rows, headers=["option", "type", "default", "description"]))
 
 
-def _ready(rewards) -> None:
-    """Load every reward's models before anything is written."""
+def _ready(rewards, records=()) -> None:
+    """Load every reward's models before anything is written. A reward that
+    parses stories (spaCy) unless they carry their text units is told
+    whether every record carries them."""
     for reward in rewards:
+        fields = getattr(reward, "text_unit_fields", None)
+        if fields and records:
+            reward.text_units_given = all(any(getattr(r, f, None) is not None for f in fields) for r in records)
         reward.setup()
 
 
@@ -98,7 +103,7 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
         _fail(f"a metric is requested twice: {columns}")
     records = load_stories(stories)
     attach_context_files(records, image_id_map, noun_phrase_map)
-    _ready(rewards)
+    _ready(rewards, records)
 
     with ScoreWriter(out, columns, resume=resume, overwrite=overwrite) as writer:
         todo = [r for r in records if r.story_id not in writer.done]

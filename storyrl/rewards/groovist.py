@@ -151,12 +151,25 @@ class GROOViST(ClipReward):
     name = "groovist"
     higher_is_better = True
     config_class = GROOViSTConfig
+    #: Record fields that carry the scored units, so that spaCy is not needed.
+    text_unit_fields = ("noun_phrases",)
 
     def __init__(self, config: GROOViSTConfig | None = None, /, **options: Any) -> None:
         super().__init__(config, **options)
         self.theta = resolve_theta(self.args.theta)  # the number; args.theta keeps the setting (a preset name)
         self.value_range = (-1.0, 1.0) if self.bounded else (-math.inf, math.inf)
         self._extractor = self._weights = self._pronoun_set = None
+        #: Set when every story comes with its noun phrases (storyrl score
+        #: --noun-phrases): setup() then does not require the spaCy pipeline.
+        self.text_units_given = False
+
+    def setup(self) -> GROOViST:
+        """Check the spaCy pipeline is installed (unless the noun phrases are
+        given), then load the models."""
+        from storyrl.noun_phrases import check_reward_pipeline
+
+        check_reward_pipeline(self, "the noun phrases precomputed: --noun-phrases or records' noun_phrases")
+        return super().setup()
 
     def __getstate__(self) -> dict[str, Any]:
         # spaCy pipelines and word tables are rebuilt on demand after unpickling.

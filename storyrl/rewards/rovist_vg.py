@@ -144,6 +144,8 @@ class RovistVG(RegionReward):
     name = "rovist_vg"
     higher_is_better = True
     config_class = RovistVGConfig
+    #: Record fields that carry the scored units, so that spaCy is not needed.
+    text_unit_fields = ("nouns", "noun_phrases")
 
     def __init__(self, config: RovistVGConfig | None = None, /, **options: Any) -> None:
         super().__init__(config, **options)
@@ -151,6 +153,17 @@ class RovistVG(RegionReward):
             log.warning("rovist_vg: no idf_corpus, so every noun weighs 1.0 (the paper weights by idf)")
         self.value_range = (-1.0, 1.0) if self.scaled else (-math.inf, math.inf)
         self._extractor = self._glove = self._idf = None
+        #: Set when every story comes with its nouns (records' nouns, or
+        #: noun_phrases): setup() then does not require the spaCy pipeline.
+        self.text_units_given = False
+
+    def setup(self) -> RovistVG:
+        """Check the spaCy pipeline is installed (unless the nouns are
+        given), then load the models."""
+        from storyrl.noun_phrases import check_reward_pipeline
+
+        check_reward_pipeline(self, "the nouns precomputed: records' nouns")
+        return super().setup()
 
     def __getstate__(self) -> dict[str, Any]:
         # Loaded things are rebuilt on demand after unpickling (the model is

@@ -1,0 +1,62 @@
+"""spaCy is checked when a reward is set up, not when scoring starts, and
+text units given with the stories make it unnecessary (issue 21 item 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import storyrl  # noqa: F401  (torchvision fallback before timm)
+from storyrl.cli import main
+from storyrl.noun_phrases import PipelineNotInstalled, require_pipeline
+from storyrl.rewards.base import RewardError
+from storyrl.rewards.rovist_vg import RovistVG
+
+MISSING = "no_such_spacy_pipeline_xyz"
+
+
+def _one_error(result) -> str:
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.output
+    return errors[0]
+
+
+def test_require_pipeline_names_it_and_the_download_command(tmp_path):
+    with pytest.raises(PipelineNotInstalled, match=f"'{MISSING}' is not installed; install it with: "
+                                                   f"python -m spacy download {MISSING}"):
+        require_pipeline(MISSING)
+    require_pipeline(str(tmp_path))  # a pipeline directory is spaCy's to load
+
+
+def test_rovist_vg_setup_checks_the_pipeline_before_loading(rovist_vg_dir, glove_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr("storyrl.models.rovist_vg.rovist_vg_embedder", lambda *a: loads.append(a))
+    reward = RovistVG(model=rovist_vg_dir, glove=glove_path, device="cpu", spacy_pipeline=MISSING)
+    with pytest.raises(RewardError, match=f"reward 'rovist_vg': spaCy pipeline '{MISSING}' is not installed.*"
+                                          f"python -m spacy download {MISSING}.*nouns"):
+        reward.setup()
+    assert loads == []
+    reward.text_units_given = True
+    reward.setup()  # nouns come with the stories: no spaCy needed
+    assert len(loads) == 1
+
+
+def test_score_groovist_without_the_pipeline_fails_before_models_load(tmp_path, images, monkeypatch):
+    loads = []
+    monkeypatch.setattr("storyrl.models.clip.clip_embedder", lambda *a, **k: loads.append(a) or 1 / 0)
+    data = tmp_path / "s.jsonl"
+    data.write_text(json.dumps({"story_id": "s0", "story": "the dog saw a cat.", "images": images}) + "\n")
+    args = ["score", data, "-m", "groovist", "--spacy-pipeline", MISSING, "-o", tmp_path / "o.csv", "-q"]
+    line = _one_error(CliRunner().invoke(main, [str(a) for a in args]))
+    assert f"spaCy pipeline '{MISSING}' is not installed" in line and f"python -m spacy download {MISSING}" in line
+    assert "--noun-phrases" in line and loads == []
+    # With --noun-phrases, spaCy is not needed: setup goes on to load CLIP.
+    nps = tmp_path / "nps.json"
+    nps.write_text(json.dumps({"s0": ["the dog", "a cat"]}))
+    line = _one_error(CliRunner().invoke(main, [str(a) for a in [*args, "--noun-phrases", nps]]))
+    assert "spaCy" not in line and "division by zero" in line and len(loads) == 1
+
