@@ -21,7 +21,13 @@ PROBE = textwrap.dedent("""
         json.dump({"rank": os.environ.get("RANK"), "world_size": os.environ.get("WORLD_SIZE"),
                    "num_processes": state.num_processes, "process_index": state.process_index,
                    "distributed_type": str(state.distributed_type)}, f)
-    sys.exit(int(os.environ.get("PROBE_EXIT_RANK1", "0")) if os.environ.get("RANK") == "1" else 0)
+    if os.environ.get("RANK") == "1" and os.environ.get("PROBE_EXIT_RANK1"):
+        import time  # let rank 0 write its file before torchrun stops it
+        for _ in range(300):
+            if os.path.exists(os.path.join(sys.argv[1], "rank0.json")):
+                break
+            time.sleep(0.1)
+        sys.exit(int(os.environ["PROBE_EXIT_RANK1"]))
 """)
 
 
@@ -67,5 +73,5 @@ def test_storyrl_launch_multi_cpu_config_and_failing_rank(tmp_path):
     result = storyrl_launch(tmp_path, "--config_file", "cpu.yaml", "probe.py", str(out),
                             extra_env={"PROBE_EXIT_RANK1": "3"})
     assert result.returncode == 3, result.stderr[-3000:]
-    assert "Error: 1 of 2 processes failed (rank 1 exit code 3)" in result.stderr
+    assert "Error: rank 1 of 2 processes failed first (exit code 3)" in result.stderr
     assert sorted(p.name for p in out.glob("rank*.json")) == ["rank0.json", "rank1.json"]

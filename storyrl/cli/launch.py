@@ -96,12 +96,17 @@ def _torchrun(args, defaults, num_processes: int) -> None:
     try:
         distrib_run.run(distrib_run.parse_args(argv))
     except ChildFailedError as exc:
-        failures = exc.failures
-        first = failures[min(failures)] if failures else None
-        code = first.exitcode if first is not None and first.exitcode and first.exitcode > 0 else 1
-        raise CommandError(f"{len(failures)} of {num_processes} processes failed "
-                           f"(rank {min(failures)} exit code {code}); see their output above",
-                           exit_code=code) from None
+        # the first to fail; torchrun then stops the others (negative exit codes: signals), which count
+        # as failed too and may carry the same timestamp
+        exited = {rank: failure for rank, failure in exc.failures.items() if (failure.exitcode or 0) > 0}
+        if exited:
+            rank = min(exited, key=lambda r: (exited[r].timestamp, r))
+            first = exited[rank]
+        else:
+            rank, first = exc.get_first_failure()
+        code = first.exitcode if first.exitcode and first.exitcode > 0 else 1
+        raise CommandError(f"rank {rank} of {num_processes} processes failed first (exit code {code}); "
+                           "see its output above", exit_code=code) from None
     finally:
         for name, value in saved.items():
             if value is None:
