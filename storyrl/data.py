@@ -5,8 +5,9 @@ Formats
 * Story set, JSON object ``{story_id: story}`` (the authors' tools and
   ``shared/data/dhm``).
 * Story set, JSONL: one record per line with ``story_id`` and ``story`` and
-  optionally ``images`` (paths), ``image_ids``, ``reference`` (human story) and
-  ``noun_phrases`` (precomputed, for GROOViST).
+  optionally ``images`` (paths), ``image_ids``, ``reference`` (human story),
+  ``noun_phrases`` (precomputed, for GROOViST) and ``nouns`` (precomputed,
+  for RoViST-VG).
 * Score table, CSV: ``story_id`` plus one column per metric; an empty cell (or
   ``nan``) means unscorable.
 * VIST story-in-sequence annotations and the VWP test split: loaded by
@@ -64,6 +65,7 @@ class StoryRecord:
     reference: str | None = None
     references: list[str] | None = None  # several human stories (reference-based metrics)
     noun_phrases: list[str] | None = None  # precomputed (the authors' NP files), skips spaCy
+    nouns: list[str] | None = None  # precomputed single nouns (RoViST-VG), skips spaCy
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -176,6 +178,7 @@ def _parse_jsonl(text: str, path: Path) -> list[StoryRecord]:
                 images=_string_list(obj.get("images"), path, where, "images"),
                 image_ids=_string_list(obj.get("image_ids"), path, where, "image_ids"),
                 noun_phrases=_string_list(obj.get("noun_phrases"), path, where, "noun_phrases"),
+                nouns=_string_list(obj.get("nouns"), path, where, "nouns"),
                 reference=reference,
                 references=_string_list(obj.get("references"), path, where, "references"),
             )

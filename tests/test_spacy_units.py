@@ -3,8 +3,10 @@ text units given with the stories make it unnecessary (issue 21 item 2)."""
 
 from __future__ import annotations
 
+import csv
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -60,3 +62,21 @@ def test_score_groovist_without_the_pipeline_fails_before_models_load(tmp_path, 
     line = _one_error(CliRunner().invoke(main, [str(a) for a in [*args, "--noun-phrases", nps]]))
     assert "spaCy" not in line and "division by zero" in line and len(loads) == 1
 
+
+def test_score_rovist_vg_reads_records_nouns_without_spacy(tmp_path, images, rovist_vg_dir, glove_path):
+    records = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images, "nouns": ["dog", "cat"]},
+               {"story_id": "s1", "story": "a man by the tree.", "images": images[:2], "nouns": ["man", "tree"]}]
+    data = tmp_path / "s.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "o.csv"
+    args = ["score", data, "-m", "rovist_vg", "--rovist-vg-model", rovist_vg_dir, "--glove", glove_path,
+            "--regions", "whole", "--spacy-pipeline", MISSING, "--device", "cpu", "-o", out, "-q"]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    with out.open() as f:
+        got = {row["story_id"]: float(row["rovist_vg"]) for row in csv.DictReader(f)}
+    direct = RovistVG(model=rovist_vg_dir, glove=glove_path, device="cpu", regions="whole", spacy_pipeline=MISSING)
+    want = direct.score([r["story"] for r in records], images=[r["images"] for r in records],
+                        nouns=[r["nouns"] for r in records])
+    assert np.isfinite(want).all()
+    assert got == pytest.approx({"s0": want[0], "s1": want[1]}, rel=1e-5)

@@ -22,8 +22,8 @@ __all__ = ["CONTEXT_FIELDS", "make_metric", "score_batches", "score_context", "s
 #: Record fields a reward may take as per-story context (images for the
 #: grounding rewards, the human story as reference, precomputed noun phrases,
 #: the story id that keys ``dhm``'s human score table, several human
-#: stories for the reference-based baselines).
-CONTEXT_FIELDS = ("story_id", "images", "image_ids", "reference", "references", "noun_phrases")
+#: stories for the reference-based baselines, precomputed nouns for RoViST-VG).
+CONTEXT_FIELDS = ("story_id", "images", "image_ids", "reference", "references", "noun_phrases", "nouns")
 
 
 def score_context(batch: Sequence[StoryRecord]) -> dict[str, list]:

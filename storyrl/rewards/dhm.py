@@ -190,7 +190,7 @@ class DHM(CompositeReward):
                 todo.setdefault(key, []).append(i)
         if todo:
             first = [index[0] for index in todo.values()]
-            human_context = {k: v for k, v in context.items() if k not in ("reference", "noun_phrases",
+            human_context = {k: v for k, v in context.items() if k not in ("reference", "noun_phrases", "nouns",
                                                                             "reference_noun_phrases")}
             if "reference_noun_phrases" in context:
                 human_context["noun_phrases"] = context["reference_noun_phrases"]
