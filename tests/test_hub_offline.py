@@ -46,6 +46,22 @@ def test_unreachable_hub_is_probed_once_per_process(monkeypatch, probe):
     assert len(probe) == 1
 
 
+def test_the_probe_connects_to_the_proxy_when_one_is_set(monkeypatch):
+    seen = []
+
+    def connect(address, timeout):
+        seen.append(address)
+        raise OSError("no network in tests")
+
+    monkeypatch.setattr(hub.socket, "create_connection", connect)
+    monkeypatch.delenv("https_proxy", raising=False)
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    assert hub._probe("https://huggingface.co") is False
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.local:3128")
+    assert hub._probe("https://huggingface.co") is False
+    assert seen == [("huggingface.co", 443), ("proxy.local", 3128)]
+
+
 def test_local_paths_and_cached_repos_pass_offline(monkeypatch, probe, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     hub.require_hub_model(str(tmp_path))  # a local directory

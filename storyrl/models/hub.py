@@ -43,8 +43,10 @@ def endpoint() -> str:
 
 
 def _probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether a TCP connection to the endpoint's host opens within ``timeout``."""
-    parsed = urlparse(url)
+    """Whether a TCP connection to the endpoint's host (or to the HTTPS proxy,
+    when one is set) opens within ``timeout``."""
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    parsed = urlparse(proxy if proxy and "://" in proxy else url)
     port = parsed.port or (443 if parsed.scheme == "https" else 80)
     try:
         with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
