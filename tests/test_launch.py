@@ -75,3 +75,10 @@ def test_storyrl_launch_multi_cpu_config_and_failing_rank(tmp_path):
     assert result.returncode == 3, result.stderr[-3000:]
     assert "Error: rank 1 of 2 processes failed first (exit code 3)" in result.stderr
     assert sorted(p.name for p in out.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+def test_storyrl_launch_runs_storyrl_command_in_each_process(tmp_path):
+    """A bare `storyrl` after the options is this Python's storyrl module."""
+    result = storyrl_launch(tmp_path, "--cpu", "--num_processes", "2", "--", "storyrl", "--version")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("storyrl, version") == 2
