@@ -459,6 +459,8 @@ def test_sampling_options_reach_generate(monkeypatch, backend):
 
     vlm, params = FakeVlm(), []
     monkeypatch.setattr(storyrl.models.vlm, "load_vlm", lambda *a, **k: vlm)
+    # vLLM is faked too: nothing is downloaded, so the offline hub check must not stop it
+    monkeypatch.setattr("storyrl.models.hub.require_hub_model", lambda *a, **k: None)
 
     class LLM:
         def __init__(self, **options):

@@ -30,7 +30,7 @@ def score_context(batch: Sequence[StoryRecord]) -> dict[str, list]:
     """Per-story context columns that any record of the batch carries."""
     context = {}
     for key in CONTEXT_FIELDS:
-        values = [getattr(r, key) for r in batch]
+        values = [getattr(r, key, None) for r in batch]  # duck-typed records may lack newer fields
         if any(v is not None for v in values):
             context[key] = values
     return context
