@@ -64,6 +64,7 @@ import storyrl.integrations as _core
 from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher
 from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
 from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
+from storyrl.rewards.base import _one_line
 
 __all__ = ["Limits", "create_app", "run_in_thread", "serve"]
 
@@ -102,7 +103,10 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
     images = ImageGuard(limits)
 
     def score(stories: list[str], contexts: list[dict], prompts: list) -> _core.Scored:
-        _reset_failure_streak(reward)
+        # The server's calls mix clients: another client's failing stories never decide this request's answer.
+        reset = getattr(reward, "reset_failure_streak", None)
+        if reset is not None:
+            reset()
         # No prompt anywhere: None, so that a reward grouping by prompt does
         # not take every story for one group.
         given = prompts if any(p is not None for p in prompts) else None
@@ -233,17 +237,6 @@ def _spread(part: _core.Scored, keep: list[int], n: int) -> _core.Scored:
     return _core.Scored(full(part.scores), {k: full(v) for k, v in part.components.items()})
 
 
-def _reset_failure_streak(reward) -> None:
-    """A reward counts stories whose scoring raised in a row, across calls
-    (``MAX_ERRORS_IN_A_ROW``), to tell a broken reward from bad stories. The
-    server's calls mix clients, so the count starts afresh with every call:
-    another client's failures never decide this request's answer."""
-    if hasattr(reward, "_errors_in_a_row"):
-        reward._errors_in_a_row = 0
-    for component in getattr(reward, "component_rewards", {}).values():
-        _reset_failure_streak(component)
-
-
 class _Server(uvicorn.Server):
     """uvicorn's Server, draining the batcher first on shutdown: stop
     listening, give queued and running requests ``shutdown_timeout_s``,
@@ -323,7 +316,3 @@ def _jsonable(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__

@@ -147,6 +147,14 @@ class Reward(Configurable):
             raise RewardError(f"reward {self.name!r}: cannot load: {_one_line(exc)}") from exc
         return self
 
+    def reset_failure_streak(self) -> None:
+        """Start afresh the count of stories whose scoring raised in a row
+        (``MAX_ERRORS_IN_A_ROW``), this reward's and its components': for a
+        caller whose calls mix independent clients (``storyrl serve``)."""
+        self._errors_in_a_row = 0
+        for component in getattr(self, "component_rewards", {}).values():
+            component.reset_failure_streak()
+
     def _unscorable(self, reason: str, detail: str = "") -> float:
         """Record why a story gets NaN (counted in ``stats["reasons"]``, the
         first occurrences of each reason logged) and return NaN."""

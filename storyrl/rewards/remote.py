@@ -67,6 +67,7 @@ from storyrl.rewards.base import (
     RewardConfig,
     RewardError,
     _as_list,
+    _one_line,
     _take,
     completion_text,
 )
@@ -561,7 +562,3 @@ def _detail(response) -> str:
         detail = None
     text = detail if isinstance(detail, str) else (response.text or response.reason_phrase or "")
     return " ".join(str(text).split())[:300] or "no detail"
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
