@@ -61,7 +61,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
 import storyrl.integrations as _core
-from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher
+from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher, _positive_finite
 from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
 from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
 from storyrl.rewards.base import _one_line
@@ -244,7 +244,7 @@ class _Server(uvicorn.Server):
     without a bound.)"""
 
     def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float) -> None:
-        _check_shutdown_timeout(shutdown_timeout_s)
+        _positive_finite("shutdown_timeout_s", shutdown_timeout_s, allow_zero=True)
         config.timeout_graceful_shutdown = 2  # backstop once the batcher has answered everything
         super().__init__(config)
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -256,12 +256,6 @@ class _Server(uvicorn.Server):
         if batcher is not None:
             await batcher.close(self.shutdown_timeout_s)
         await super().shutdown(sockets)
-
-
-def _check_shutdown_timeout(shutdown_timeout_s: float) -> None:
-    if not (isinstance(shutdown_timeout_s, (int, float)) and math.isfinite(shutdown_timeout_s)
-            and shutdown_timeout_s >= 0):
-        raise ValueError(f"shutdown_timeout_s must be a finite number >= 0, got {shutdown_timeout_s!r}")
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 5000, log_level: str = "info",
