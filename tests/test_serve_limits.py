@@ -6,6 +6,7 @@ validation, the bounded d_HM cache and the load benchmark."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -208,35 +209,51 @@ main(sys.argv[1:], prog_name="storyrl")
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_with_a_request_in_flight_stops_the_server_within_the_bound(tmp_path, sig):
-    script, config, log = tmp_path / "serve.py", tmp_path / "stuck.yaml", tmp_path / "log.txt"
-    script.write_text(_BLOCKING_SERVER)
-    config.write_text("reward: test_stuck\n")
+@contextlib.contextmanager
+def _served_in_a_process(tmp_path, script_text: str, reward: str, shutdown_timeout_s: float):
+    """``storyrl serve`` of ``reward`` (registered by ``script_text``) in its
+    own process, healthy; yields (process, url, log file); killed if alive
+    at the end."""
+    script, config, log = tmp_path / "serve.py", tmp_path / "reward.yaml", tmp_path / "log.txt"
+    script.write_text(script_text)
+    config.write_text(f"reward: {reward}\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, str(script), "serve", "--config", str(config), "--port", str(port),
-                                 "--shutdown-timeout-s", "1", "--log-level", "warning"],
+                                 "--shutdown-timeout-s", str(shutdown_timeout_s), "--log-level", "warning"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
         _until(lambda: proc.poll() is not None or _healthy(url), timeout=60)
         assert proc.poll() is None, log.read_text()
-        answer = {}
-        client = threading.Thread(target=lambda: answer.setdefault("r", post(url, {"query": STORIES})))
-        client.start()
-        _until(lambda: info(url)["stats"].get("requests") == 1)
+        yield proc, url, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _in_flight(url: str, body: dict) -> tuple[dict, threading.Thread]:
+    """Post ``body`` from a thread and return once the server holds it:
+    ({"r": response} when answered, the thread)."""
+    answer = {}
+    client = threading.Thread(target=lambda: answer.setdefault("r", post(url, body)))
+    client.start()
+    _until(lambda: info(url)["stats"].get("requests") == 1)
+    return answer, client
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_with_a_request_in_flight_stops_the_server_within_the_bound(tmp_path, sig):
+    with _served_in_a_process(tmp_path, _BLOCKING_SERVER, "test_stuck", 1) as (proc, url, log):
+        answer, client = _in_flight(url, {"query": STORIES})
         start = time.monotonic()
         proc.send_signal(sig)
         proc.wait(20)  # the bound is 1 s + 2 s; generous here
         client.join(20)
         assert time.monotonic() - start < 20
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert answer["r"].status_code == 503 and "shutting down" in answer["r"].json()["detail"], log.read_text()
 
 
@@ -742,31 +759,11 @@ main(sys.argv[1:], prog_name="storyrl")
 
 
 def test_a_signal_during_a_short_call_lets_its_request_finish(tmp_path):
-    script, config, log = tmp_path / "serve.py", tmp_path / "slow.yaml", tmp_path / "log.txt"
-    script.write_text(_SLOW_SERVER)
-    config.write_text("reward: test_slow\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, str(script), "serve", "--config", str(config), "--port", str(port),
-                                 "--shutdown-timeout-s", "10", "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    try:
-        _until(lambda: proc.poll() is not None or _healthy(url), timeout=60)
-        assert proc.poll() is None, log.read_text()
-        answer = {}
-        client = threading.Thread(target=lambda: answer.setdefault("r", post(url, {"query": STORIES[:2]})))
-        client.start()
-        _until(lambda: info(url)["stats"].get("requests") == 1)
+    with _served_in_a_process(tmp_path, _SLOW_SERVER, "test_slow", 10) as (proc, url, log):
+        answer, client = _in_flight(url, {"query": STORIES[:2]})
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
         client.join(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert answer["r"].status_code == 200, (answer["r"].text, log.read_text())
     assert answer["r"].json()["rewards"] == [0.25, 0.25]
 
