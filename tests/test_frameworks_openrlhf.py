@@ -71,24 +71,20 @@ def test_reward_file_in_openrlhf_executor(version, tokenizer, configs):
         assert sample["extra_logs"]["dhm/repetition"] == pytest.approx([repetition[i]], rel=1e-6)
 
 
-def test_reward_file_without_label_key_gives_no_reward_and_says_why(tokenizer, configs):
-    # OpenRLHF without --data.label_key: every label is "". storyrl refuses (and logs) rather than
-    # return the fallback for every sample; OpenRLHF 0.11 then leaves the sample's reward unset.
+@pytest.mark.parametrize(("config", "labels", "says"), [
+    # without --data.label_key every label is "": refused (and logged) rather than the fallback for every sample
+    ("rouge.yaml", [""] * 3, "--data.label_key"),
+    # one sample per call: a group-normalised component would vanish
+    ("group.yaml", HUMAN, "group_norm"),
+])
+def test_refused_rewards_give_no_reward_and_say_why(tokenizer, configs, config, labels, says):
+    # OpenRLHF 0.11 logs a failed reward call at INFO and leaves the sample's reward unset; storyrl logs the reason
     _, directory = tokenizer
-    out = run_check("openrlhf_reward.py", executor_job(adapter.__file__, directory, [""] * 3),
-                    framework_path("openrlhf", "0.11.2"), env={"STORYRL_REWARD_CONFIG": str(configs / "rouge.yaml")},
+    out = run_check("openrlhf_reward.py", executor_job(adapter.__file__, directory, labels),
+                    framework_path("openrlhf", "0.11.2"), env={"STORYRL_REWARD_CONFIG": str(configs / config)},
                     capture_stderr=True)
     assert all(sample["reward"] is None for sample in out["outputs"])
-    assert "--data.label_key" in out["stderr"]
-
-
-def test_group_normalised_reward_is_refused_in_openrlhf(tokenizer, configs):
-    _, directory = tokenizer
-    out = run_check("openrlhf_reward.py", executor_job(adapter.__file__, directory, HUMAN),
-                    framework_path("openrlhf", "0.11.2"), env={"STORYRL_REWARD_CONFIG": str(configs / "group.yaml")},
-                    capture_stderr=True)
-    assert all(sample["reward"] is None for sample in out["outputs"])
-    assert "group_norm" in out["stderr"]
+    assert says in out["stderr"]
 
 
 def test_server_through_openrlhf_http_clients(tokenizer, configs):
