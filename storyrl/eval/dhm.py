@@ -17,14 +17,11 @@ import numpy as np
 
 from storyrl.data import ScoreTable
 
-__all__ = ["DHM_DIMENSIONS", "DhmResult", "dhm"]
+# The dimensions and the per-story distance live below rewards (the dhm reward
+# uses them too); re-exported here under their old names.
+from storyrl.rewards.dhm_distance import DHM_DIMENSIONS, dimension_distance
 
-#: Score-table column of each d_HM dimension, and the map applied to it.
-DHM_DIMENSIONS = {
-    "groovist": ("grounding", np.tanh),
-    "coherence": ("coherence", None),
-    "repetition": ("repetition", None),
-}
+__all__ = ["DHM_DIMENSIONS", "DhmResult", "dhm"]
 
 
 @dataclass
@@ -68,12 +65,9 @@ def dhm(human: ScoreTable, model: ScoreTable, metrics: Sequence[str] | None = No
     ]
     per_story = {}
     for m in metrics:
-        dim, transform = DHM_DIMENSIONS[m]
         h = np.array([human.scores[m][sid] for sid in counted], dtype=np.float64)
         g = np.array([model.scores[m][sid] for sid in counted], dtype=np.float64)
-        if transform is not None:
-            h, g = transform(h), transform(g)
-        per_story[dim] = np.abs(h - g)
+        per_story[DHM_DIMENSIONS[m][0]] = dimension_distance(m, h, g)
     distances = {dim: float(d.mean()) if len(d) else math.nan for dim, d in per_story.items()}
     return DhmResult(
         n=len(counted),

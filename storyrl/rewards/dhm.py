@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
-from storyrl.eval.dhm import DHM_DIMENSIONS
 from storyrl.rewards.base import RewardConfig, _take, clean_text
 from storyrl.rewards.composite import CompositeReward, _finite_mean, build_reward, resolve_reward
+from storyrl.rewards.dhm_distance import DHM_DIMENSIONS
 
 __all__ = ["DHM", "DIMENSIONS", "DhmConfig"]
 
