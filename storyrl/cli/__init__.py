@@ -1,7 +1,7 @@
 """The ``storyrl`` command line: a thin layer over the library.
 
 This module holds the ``main`` group (one-line errors, exit 130 on Ctrl-C,
-``--debug``, ``--version``) and registers the commands of its modules:
+``--debug``, ``--verbose``, ``--version``) and registers the commands of its modules:
 ``score`` (score, groovist-calibrate, rewards), ``eval`` (dhm), ``data``
 (regions, assets), ``train`` (one command per registered trainer) and
 ``launch`` (multi-process runs, also on the CPU); their shared helpers are
@@ -30,6 +30,7 @@ from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.serve import serve
 from storyrl.cli.sweep import sweep
 from storyrl.cli.train import train
+from storyrl.console import VERBOSE_ENV, configure_output
 
 __all__ = ["CommandError", "describe_error", "main"]
 
@@ -83,12 +84,22 @@ def _set_debug(ctx: click.Context, _param, value: bool) -> bool:
     return value
 
 
+def _set_verbose(ctx: click.Context, _param, value: bool) -> bool:
+    if value:
+        os.environ[VERBOSE_ENV] = "1"  # also for the subprocesses a command starts
+    return value
+
+
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="storyrl")
 @click.option("--debug", is_flag=True, expose_value=False, is_eager=True, callback=_set_debug,
               help="Show tracebacks (same as STORYRL_DEBUG=1).")
+@click.option("--verbose", is_flag=True, expose_value=False, is_eager=True, callback=_set_verbose,
+              help="Show everything the libraries print: their deprecation warnings, per-step training "
+                   "metrics, progress bars in logs (same as STORYRL_VERBOSE=1).")
 def main() -> None:
     """storyrl: visual-storytelling metrics as rewards, scores and d_HM tables."""
+    configure_output()  # before any command imports torch, transformers or open_clip
 
 
 for _command in (list_rewards_cmd, score, dhm, groovist_calibrate, regions, assets, train, generate, features, sweep):

@@ -41,6 +41,10 @@ class ClipSpec:
         return f"open_clip:{self.model}:{self.pretrained}"
 
 
+def _has_schema(model: str) -> bool:
+    return model.startswith(("hf-hub:", "local-dir:"))
+
+
 class ClipEmbedder:
     """L2-normalised CLIP embeddings of texts and image regions, each computed
     once: an in-memory LRU cache (and an optional on-disk cache for regions),
@@ -64,8 +68,11 @@ class ClipEmbedder:
             require_hub_model(hub_id, what=f"CLIP model {spec.model!r} (pretrained={spec.pretrained!r})",
                               hint="pass a local checkpoint file as pretrained")
         try:
+            # hf-hub:/local-dir: models carry their own weights and open_clip ignores
+            # pretrained for them (logging that it does, for the "openai" default).
+            pretrained = None if _has_schema(spec.model) else spec.pretrained
             model, _, preprocess = open_clip.create_model_and_transforms(
-                spec.model, pretrained=spec.pretrained, precision=self.precision, device=self.device
+                spec.model, pretrained=pretrained, precision=self.precision, device=self.device
             )
         except (RuntimeError, OSError, ValueError) as exc:
             raise RuntimeError(

@@ -36,10 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
-
 from transformers import TrainerCallback
 
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+from storyrl.console import progress as progress_bar
+from storyrl.console import verbose
 from storyrl.training.rl.monitor import sample_stories, story_stats
 
 __all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
@@ -184,6 +185,40 @@ class HistoryCallback(TrainerCallback):
                 f.write(_line({**logs, "step": state.global_step}))
 
 
+class QuietProgressCallback(TrainerCallback):
+    """transformers' training bar without the ~40-key dict its ProgressCallback
+    prints at every logged step (history.jsonl keeps them all): the bar shows
+    the loss and the mean reward instead, and stays plain in a log
+    (:func:`storyrl.console.progress`). ``--verbose`` keeps transformers' own."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.current_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.bar = progress_bar(total=state.max_steps, unit="step")
+        self.current_step = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.current_step)
+            self.current_step = state.global_step
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.bar is None or not logs:
+            return
+        short = {key: f"{logs[key]:.4g}" for key in ("loss", "reward")
+                 if isinstance(logs.get(key), (int, float)) and not isinstance(logs.get(key), bool)}
+        if short:
+            self.bar.set_postfix(short, refresh=False)  # shown at the next update (throttled in a log)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def _line(entry: dict) -> str:
     return json.dumps({k: _finite_or_none(v) for k, v in entry.items()}, ensure_ascii=False) + "\n"
 
@@ -234,6 +269,14 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
         from transformers import PrinterCallback
 
         trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
+    elif not verbose():
+        from transformers import PrinterCallback, ProgressCallback
+
+        # Printer: what transformers uses when its logging level (error without
+        # --verbose) made TrainingArguments default to disable_tqdm. A notebook's
+        # widget is neither and stays.
+        if any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
+            trainer.add_callback(QuietProgressCallback())
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     if scorable.failure is not None:
         raise RunFailedError(scorable.failure)
@@ -339,7 +382,7 @@ def _resumable(trainer_class: type) -> type:
             sampler = super()._get_train_sampler(dataset)
             if not isinstance(sampler, RepeatSampler):
                 return sampler
-            return EpochSeededSampler(sampler, lambda: int(math.floor((self.state.epoch or 0) + 1e-9)))
+            return EpochSeededSampler(sampler, lambda: math.floor((self.state.epoch or 0) + 1e-9))
 
         def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
             if not load_full_weights(self.accelerator.unwrap_model(self.model if model is None else model),
