@@ -29,7 +29,7 @@ def features(data_paths, image_root, out, backbone, vit, region_table, max_boxes
     """Compute TAPM's visual features (timm ResNet, +ViT, region boxes) of
     every image of the stories, once, into OUT (index.json + shards), which
     `storyrl train tapm` and TAPM generation read."""
-    from tqdm.auto import tqdm
+    from storyrl.console import progress as progress_bar
 
     from storyrl.datasets import load_records
     from storyrl.generators.tapm.features import FeatureExtractor, image_keys, write_features
@@ -49,6 +49,6 @@ def features(data_paths, image_root, out, backbone, vit, region_table, max_boxes
     regions = RegionTable(region_table, top_b=max_boxes) if region_table else None
     extractor = FeatureExtractor(backbone, vit=vit, regions=regions, max_boxes=max_boxes,
                                  pretrained=not no_pretrained, device=device)
-    with tqdm(total=len(dict(items)), desc="features", disable=quiet, unit="img") as bar:
+    with progress_bar(total=len(dict(items)), desc="features", disable=quiet, unit="img") as bar:
         counts = write_features(out, items, extractor, batch_size=batch_size, progress=bar.update)
     click.echo(_json({"out": str(out), **counts}))

@@ -219,10 +219,10 @@ def groovist_calibrate(stories, batch_size, quiet, image_id_map, noun_phrase_map
         _fail(str(exc))
     attach_context_files(records, image_id_map, noun_phrase_map)
     context = _context(records)
-    from tqdm import tqdm
+    from storyrl.console import progress as progress_bar
 
     try:
-        with tqdm(total=len(records), unit="story", disable=quiet, file=sys.stderr) as bar:
+        with progress_bar(total=len(records), unit="story", disable=quiet, file=sys.stderr) as bar:
             texts = [r.story for r in records]
             result = calibrate_theta(reward, texts, batch_size=batch_size, progress=bar.update, **context)
     except ValueError as exc:

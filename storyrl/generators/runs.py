@@ -156,7 +156,7 @@ def generate_to_file(
 ) -> GenerationRun:
     """Generate stories for ``records`` into ``out`` and its sidecar (module
     docs). ``inputs`` (e.g. the data file) is recorded in the sidecar."""
-    from tqdm import tqdm
+    from storyrl.console import progress as progress_bar
 
     from storyrl.output_files import LockedOutput
 
@@ -210,7 +210,7 @@ def generate_to_file(
             story_file.replace(text)
 
         size = generator.args.batch_size
-        with tqdm(total=len(todo), unit="story", disable=not progress, file=sys.stderr) as bar:
+        with progress_bar(total=len(todo), unit="story", disable=not progress, file=sys.stderr) as bar:
             for start in range(0, len(todo), size):
                 batch = todo[start : start + size]
                 result = generator.generate(batch)

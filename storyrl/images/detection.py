@@ -145,7 +145,7 @@ def _detect_into(out, todo, weights_path, top_b, score_threshold, device, batch_
     import torch
     import torchvision  # noqa: F401  (storyrl's import hook makes this work without compiled ops)
     from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, fasterrcnn_resnet50_fpn
-    from tqdm.auto import tqdm
+    from storyrl.console import progress as progress_bar
 
     state = torch.load(weights_path, map_location="cpu", weights_only=True)
     if isinstance(state, dict):
@@ -177,7 +177,8 @@ def _detect_into(out, todo, weights_path, top_b, score_threshold, device, batch_
               f"ETA {low:.0f}-{high:.0f} min (a GPU takes well under a second per image; --device cuda)",
               file=sys.stderr, flush=True)
 
-    with tqdm(total=len(todo), file=sys.stderr, disable=not progress, unit="img", desc="detecting regions") as bar:
+    with progress_bar(total=len(todo), file=sys.stderr, disable=not progress, unit="img",
+                      desc="detecting regions") as bar:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
             tensors = [_read_tensor(p).to(device) for p in batch]

@@ -223,7 +223,7 @@ def fit(
     improves.
     """
     from accelerate.utils import send_to_device, set_seed
-    from tqdm.auto import tqdm
+    from storyrl.console import progress as progress_bar
 
     if len(train_dataset) == 0:
         raise ValueError("fit: the training set is empty")
@@ -337,7 +337,7 @@ def fit(
             or (config.max_steps is not None and global_step >= config.max_steps)
         )
 
-    epoch_bar = tqdm(total=config.epochs, initial=epoch_done, desc="epochs", disable=not show, position=0)
+    epoch_bar = progress_bar(total=config.epochs, initial=epoch_done, desc="epochs", disable=not show, position=0)
     while not finished():
         epoch = epoch_done + 1
         skip, resume_batches = resume_batches, 0
@@ -364,8 +364,8 @@ def fit(
             set_rng_state(resume_rng)
         epoch_batches = skip
         hit_max_steps = False
-        bar = tqdm(batches, total=len(train_loader), initial=skip, desc=f"epoch {epoch}", leave=False,
-                   disable=not show, position=1)
+        bar = progress_bar(batches, total=len(train_loader), initial=skip, desc=f"epoch {epoch}", leave=False,
+                           disable=not show, position=1)
         for n, batch in bar:
             with accelerator.autocast():
                 loss, metrics = step_fn(model, batch)
@@ -396,7 +396,8 @@ def fit(
         val_totals = _Totals()
         eval_model = accelerator.unwrap_model(model)  # no DDP collectives with uneven shards
         with torch.no_grad():
-            for n, batch in tqdm(val_loader, desc=f"validate {epoch}", leave=False, disable=not show, position=1):
+            for n, batch in progress_bar(val_loader, desc=f"validate {epoch}", leave=False, disable=not show,
+                                         position=1):
                 batch = send_to_device(batch, accelerator.device)
                 with accelerator.autocast():
                     loss, metrics = step_fn(eval_model, batch)

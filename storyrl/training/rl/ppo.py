@@ -542,7 +542,7 @@ class PPOTrainer:
         passes over the data); ``resume=True`` continues from the newest
         ``checkpoint-<step>`` in ``output_dir``; ``progress=False`` hides the
         progress bar (the log lines stay)."""
-        from tqdm.auto import tqdm
+        from storyrl.console import progress as progress_bar
 
         args, acc = self.args, self.accelerator
         main = acc.is_main_process
@@ -567,8 +567,8 @@ class PPOTrainer:
                 (self.output_dir / name).write_text("".join(lines), encoding="utf-8")
         acc.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
                                                   if isinstance(v, (int, float, str, bool))})
-        bar = tqdm(total=self.num_steps, initial=self.step, desc="PPO",
-                   disable=not (progress and acc.is_local_main_process))
+        bar = progress_bar(total=self.num_steps, initial=self.step, desc="PPO",
+                           disable=not (progress and acc.is_local_main_process))
         scored = any(isinstance(r.get("reward"), (int, float)) for r in self.history)  # before a resume
         try:
             while self.step < self.num_steps:

@@ -36,9 +36,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+
 from transformers import TrainerCallback
 
-import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
 from storyrl.console import progress as progress_bar
 from storyrl.console import verbose
 from storyrl.training.rl.monitor import sample_stories, story_stats
