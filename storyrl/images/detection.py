@@ -145,6 +145,7 @@ def _detect_into(out, todo, weights_path, top_b, score_threshold, device, batch_
     import torch
     import torchvision  # noqa: F401  (storyrl's import hook makes this work without compiled ops)
     from torchvision.models.detection import FasterRCNN_ResNet50_FPN_Weights, fasterrcnn_resnet50_fpn
+
     from storyrl.console import progress as progress_bar
 
     state = torch.load(weights_path, map_location="cpu", weights_only=True)
