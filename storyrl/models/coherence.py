@@ -87,6 +87,9 @@ class CoherenceModel(nn.Module):
         starting point for training."""
         from transformers import AlbertModel
 
+        from storyrl.models.hub import require_hub_model
+
+        require_hub_model(name_or_path, what="ALBERT base model")
         return cls(AlbertModel.from_pretrained(name_or_path), dropout)
 
     def save_pretrained(self, directory, tokenizer=None) -> None:
@@ -172,14 +175,21 @@ def _load_tokenizer(name_or_path, required: bool = True):
 def load_coherence_model(model: str, base_model: str = DEFAULT_BASE, trust_checkpoint: bool = False):
     """(model, tokenizer) from a storyrl directory or the authors' checkpoint
     file; the tokenizer comes from the directory, else from ``base_model``."""
+    from storyrl.models.hub import require_hub_model
+
     path = Path(model)
+    hint = "set the coherence reward's base_model option to a local copy's directory (--base-model DIR)"
     if path.is_dir():
         net, tokenizer = CoherenceModel.from_pretrained(path)
     elif path.is_file():
+        require_hub_model(base_model, what="ALBERT config", hint=hint)
         net, tokenizer = CoherenceModel.from_authors_checkpoint(path, base_model, trust_checkpoint), None
     else:
         raise FileNotFoundError(
             f"coherence model {model!r} not found: give a storyrl coherence directory "
             "(storyrl train coherence) or the authors' RoViST-C checkpoint file"
         )
-    return net, tokenizer if tokenizer is not None else _load_tokenizer(base_model)
+    if tokenizer is None:
+        require_hub_model(base_model, what="ALBERT tokenizer", hint=hint)
+        tokenizer = _load_tokenizer(base_model)
+    return net, tokenizer

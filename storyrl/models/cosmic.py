@@ -96,6 +96,7 @@ class CosmicEncoders:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(precision, self.device)
         self.batch_size = batch_size
+        require_encoders(spec)
         self._load_image_tower()
         self._load_text_encoder()
         for model in (self.image_model, self.text_model):
@@ -186,6 +187,21 @@ class CosmicEncoders:
         with torch.inference_mode():
             feats = self._image_forward(pixels)
         return feats.float().reshape(len(images), -1).cpu().numpy()
+
+
+def require_encoders(spec: EncoderSpec, image_hint: str = "set image_pretrained to a local weights file",
+                     text_hint: str = "set text_model to a local copy's directory") -> None:
+    """HubUnreachableError, before anything loads, when an encoder of ``spec``
+    must come from an unreachable hub; the hints say what to set instead."""
+    from storyrl.models.hub import open_clip_hub_id, require_hub_model, timm_hub_id
+
+    if spec.image_library == "open_clip":
+        hub_id = open_clip_hub_id(spec.image_model, spec.image_pretrained)
+    else:  # timm reads the hub only for its default weights (a file is an overlay)
+        hub_id = timm_hub_id(spec.image_model) if spec.image_pretrained == "default" else None
+    if hub_id:
+        require_hub_model(hub_id, what=f"COSMiC image tower {spec.image_model!r} (weights)", hint=image_hint)
+    require_hub_model(spec.text_model, what="COSMiC text model", hint=text_hint)
 
 
 def cosmic_encoders(spec: EncoderSpec, device=None, precision: str = "auto", batch_size: int = 32) -> CosmicEncoders:
@@ -326,9 +342,13 @@ def load_cosmic(model: str, device=None, precision: str = "auto", batch_size: in
     """The process-wide scorer of a saved COSMiC directory. The head runs in
     fp32 (it is small); ``precision`` applies to the encoders."""
     dev = resolve_device(device)
+    spec = read_encoder_spec(model)
+    where = Path(model) / _CONFIG_FILE
+    require_encoders(spec, f"{where} names it: set its encoders.image_pretrained to a local weights file",
+                     f"{where} names it: set its encoders.text_model to a local copy's directory")
     # shared_model's lock is not re-entrant: the encoders are fetched first,
     # named by the directory's config, not from inside the scorer's loader.
-    encoders = cosmic_encoders(read_encoder_spec(model), dev, precision, batch_size)
+    encoders = cosmic_encoders(spec, dev, precision, batch_size)
     key = ("cosmic", str(Path(model).resolve()), str(dev), precision)
     return shared_model(key, lambda: CosmicScorer(CosmicHead.from_pretrained(model), encoders))
 

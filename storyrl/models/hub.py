@@ -17,7 +17,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-__all__ = ["HubUnreachableError", "hub_reachable", "open_clip_hub_id", "require_hub_model", "timm_hub_id"]
+__all__ = ["HubUnreachableError", "hub_reachable", "local_copy_hint", "open_clip_hub_id", "require_hub_model",
+           "timm_hub_id"]
 
 PROBE_TIMEOUT_S = 3.0
 _REACHABLE: bool | None = None
@@ -108,6 +109,13 @@ def require_hub_model(name: str, *, what: str = "model", hint: str = "pass a loc
     raise HubUnreachableError(
         f"{what} {repo_id!r} is not in the local Hugging Face cache ({_cache_dir()}) and {why}: {hint}, "
         "or run once with network access (HF_HUB_OFFLINE unset) to download it")
+
+
+def local_copy_hint(option: str, flag: str | None = None) -> str:
+    """The ``hint`` of :func:`require_hub_model` for a model named by a config
+    key or reward option: ``set OPTION to a local copy's directory (FLAG DIR)``."""
+    where = f" ({flag} DIR)" if flag else ""
+    return f"set {option} to a local copy's directory{where}"
 
 
 def timm_hub_id(name: str, pretrained_cfg_overlay: dict | None = None) -> str | None:

@@ -115,6 +115,9 @@ class VrankModel(nn.Module):
         the starting point for training."""
         from transformers import AutoModel
 
+        from storyrl.models.hub import require_hub_model
+
+        require_hub_model(name_or_path, what="Vrank base encoder")
         return cls(AutoModel.from_pretrained(name_or_path), pooling, dropout, max_length)
 
     def save_pretrained(self, directory, tokenizer=None) -> None:
@@ -176,6 +179,8 @@ def load_vrank_model(model: str, tokenizer: str | None = None):
     directory's, else ``tokenizer`` (a name or path)."""
     from transformers import AutoTokenizer
 
+    from storyrl.models.hub import require_hub_model
+
     path = Path(model)
     if not path.is_dir():
         if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
@@ -185,10 +190,14 @@ def load_vrank_model(model: str, tokenizer: str | None = None):
             )
         from huggingface_hub import snapshot_download
 
+        require_hub_model(model, what="Vrank model", hint="set the vrank reward's model option to a local "
+                          "Vrank directory (--vrank-model DIR)")
         path = Path(snapshot_download(model))
     net, saved = VrankModel.from_pretrained(path)
     if saved is None:
         if tokenizer is None:
             raise FileNotFoundError(f"{path}: the Vrank directory holds no tokenizer; give the tokenizer option")
+        require_hub_model(tokenizer, what="Vrank tokenizer", hint="set the vrank reward's tokenizer option to a local "
+                          "copy's directory (--tokenizer DIR)")
         saved = AutoTokenizer.from_pretrained(tokenizer)
     return net, saved

@@ -185,6 +185,7 @@ def load_story_texts(paths: Sequence[str]) -> list[str]:
 
 def _build_model(config: CoherenceTrainConfig, model, tokenizer):
     from storyrl.models.coherence import CoherenceModel
+    from storyrl.models.hub import local_copy_hint, require_hub_model
 
     if model is None:
         if config.init_from:
@@ -192,10 +193,14 @@ def _build_model(config: CoherenceTrainConfig, model, tokenizer):
             model.dropout.p = config.dropout  # the config decides the training dropout
             tokenizer = tokenizer or saved_tokenizer
         else:
+            require_hub_model(config.base_model, what="base model", hint=local_copy_hint("base_model", "--base-model"))
             model = CoherenceModel.from_base(config.base_model, dropout=config.dropout)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
+        key = "tokenizer" if config.tokenizer else "base_model"
+        require_hub_model(config.tokenizer or config.base_model, what="tokenizer",
+                          hint=local_copy_hint(key, f"--{key.replace('_', '-')}"))
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base_model)
     if tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise ValueError("the coherence tokenizer needs [CLS] and [SEP] tokens (an ALBERT/BERT-style tokenizer)")

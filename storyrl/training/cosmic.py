@@ -197,8 +197,11 @@ def train_cosmic(config: CosmicTrainConfig, resume: bool = False, progress: bool
     from accelerate.utils import set_seed
 
     from storyrl.judgements.raccoon import load_raccoon
-    from storyrl.models.cosmic import CosmicHead, HeadConfig, cosmic_encoders
+    from storyrl.models.cosmic import CosmicHead, HeadConfig, cosmic_encoders, require_encoders
 
+    # before the (slow) data load: an unreachable hub fails at once
+    require_encoders(config.encoder_spec(), "set image_pretrained to a local weights file (--image-pretrained FILE) "
+                     "or null", "set text_model to a local copy's directory (--text-model DIR)")
     images_needed = config.use_image
     data = load_raccoon(config.raccoon, image_dir=config.image_dir if images_needed else None,
                         image_map=config.image_map if images_needed else None,

@@ -191,15 +191,20 @@ def _load_weights(model, directory: Path) -> None:
 
 def _build(config: TapmTrainConfig, store, model, tokenizer):
     from storyrl.generators.tapm.model import TapmModel
+    from storyrl.models.hub import local_copy_hint, require_hub_model
 
     if tokenizer is None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.init_from or config.decoder)
+        name = config.tokenizer or config.init_from or config.decoder
+        key = "tokenizer" if config.tokenizer else "decoder"
+        require_hub_model(name, what="tokenizer", hint=local_copy_hint(key, f"--{key}"))
+        tokenizer = AutoTokenizer.from_pretrained(name)
     if model is None:
         if config.init_from:
             model = TapmModel.from_pretrained(config.init_from)
         else:
+            require_hub_model(config.decoder, what="TAPM decoder", hint=local_copy_hint("decoder", "--decoder"))
             lora = ({"r": config.lora_r, "lora_alpha": config.lora_alpha, "lora_dropout": config.lora_dropout,
                      "target_modules": list(config.lora_targets)} if config.lora else None)
             model = TapmModel.from_decoder(

@@ -221,6 +221,7 @@ def _load_data(config: VrankTrainConfig):
 
 
 def _build_model(config: VrankTrainConfig, model, tokenizer):
+    from storyrl.models.hub import local_copy_hint, require_hub_model
     from storyrl.models.vrank import VrankModel
 
     if model is None:
@@ -231,10 +232,14 @@ def _build_model(config: VrankTrainConfig, model, tokenizer):
                 model.dropout.p = config.dropout
             tokenizer = tokenizer or saved_tokenizer
         else:
+            require_hub_model(config.base_model, what="base model", hint=local_copy_hint("base_model", "--base-model"))
             model = VrankModel.from_base(config.base_model, config.pooling, config.dropout, config.max_length)
     if tokenizer is None:
         from transformers import AutoTokenizer
 
+        key = "tokenizer" if config.tokenizer else "base_model"
+        require_hub_model(config.tokenizer or config.base_model, what="tokenizer",
+                          hint=local_copy_hint(key, f"--{key.replace('_', '-')}"))
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.base_model)
     return model, tokenizer
 

@@ -48,10 +48,15 @@ def _check_quantization(quantization: str | None) -> None:
         raise RuntimeError("4-bit decoders need a CUDA GPU (bitsandbytes); none is available")
 
 
-def load_decoder(name: str, quantization: str | None = None, dtype: torch.dtype | None = None):
+def load_decoder(name: str, quantization: str | None = None, dtype: torch.dtype | None = None, *,
+                 hint: str = "pass a local copy's directory as the decoder"):
     """A causal LM by hub name or local path; ``quantization="4bit"`` loads it
-    in NF4 through bitsandbytes (QLoRA style) and prepares it for k-bit training."""
+    in NF4 through bitsandbytes (QLoRA style) and prepares it for k-bit training.
+    ``hint``: what to do when the hub cannot be reached (HubUnreachableError)."""
+    from storyrl.models.hub import require_hub_model
+
     _check_quantization(quantization)
+    require_hub_model(name, what="TAPM decoder", hint=hint)
     kwargs: dict[str, Any] = {}
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -249,7 +254,9 @@ class TapmModel(PreTrainedModel, GenerationMixin):
         if kind != TapmConfig.model_type:
             raise ValueError(f"{directory}: config.json has model_type {kind!r}, not {TapmConfig.model_type!r}")
         config = TapmConfig.from_pretrained(directory)
-        decoder = None if config.save_base_decoder else load_decoder(config.decoder_name, config.quantization, dtype)
+        decoder = None if config.save_base_decoder else load_decoder(
+            config.decoder_name, config.quantization, dtype,
+            hint=f"{directory} was saved without its base decoder (save_base_decoder=false), which comes from the hub")
         model = cls(config, decoder=decoder)
         state = load_file(str(weights))
         missing, unexpected = model.load_state_dict(state, strict=False)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from storyrl.data import StoryRecord
+from storyrl.models.hub import local_copy_hint, require_hub_model
 
 __all__ = ["Policy", "detect_policy", "generate_stories", "load_policy", "lora_config", "merge_adapters",
            "vision_parameter_names"]
@@ -43,6 +44,8 @@ logger = logging.getLogger(__name__)
 VISION_MODULES = ("vision_tower", "vision_model", "visual", "vision_encoder")
 _VISION_REGEX = rf"(.*\.)?({'|'.join(VISION_MODULES)})(\..*)?"
 ADAPTER_CONFIG = "adapter_config.json"
+#: What to do when the policy model must come from an unreachable hub.
+POLICY_HINT = local_copy_hint("model (the training YAML's key)", "--model")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
@@ -75,6 +78,7 @@ def _model_type(model: str, revision: str | None, read_hub: bool) -> str | None:
     import storyrl  # noqa: F401  (torchvision fallback before transformers)
     from transformers import AutoConfig
 
+    require_hub_model(model, what="policy model", hint=POLICY_HINT)
     try:
         return AutoConfig.from_pretrained(model, revision=revision).model_type
     except (OSError, ValueError) as exc:
@@ -147,6 +151,7 @@ def load_policy(config, kind: str | None = None, path: str | None = None) -> Pol
     name = path or config.model
     revision = None if path else config.revision
     dtype = resolve_dtype(config.precision)
+    require_hub_model(name, what="policy model", hint=POLICY_HINT)
     try:
         if kind == "tapm":
             from transformers import AutoTokenizer

@@ -279,6 +279,9 @@ class PPOTrainer:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
         if not name:
             raise ValueError("PPOTrainer: give processing_class (the model does not name its directory)")
+        from storyrl.models.hub import require_hub_model
+
+        require_hub_model(name, what="policy's tokenizer/processor", hint="give PPOTrainer its processing_class")
         return AutoTokenizer.from_pretrained(name) if is_tapm else AutoProcessor.from_pretrained(name)
 
     @property

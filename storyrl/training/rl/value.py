@@ -72,6 +72,9 @@ def load_value_model(name: str, tokenizer=None, dtype: torch.dtype | None = None
     vocabulary must cover the policy's tokenizer."""
     from transformers import AutoModelForSequenceClassification
 
+    from storyrl.models.hub import local_copy_hint, require_hub_model
+
+    require_hub_model(name, what="value model", hint=local_copy_hint("ppo.value_model in the training YAML"))
     kwargs = {"num_labels": 1}
     if dtype is not None:
         kwargs["dtype"] = dtype
