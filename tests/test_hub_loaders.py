@@ -171,3 +171,15 @@ def test_many_loaders_one_probe(probe):
         with pytest.raises(hub.HubUnreachableError):
             load(MISSING)
     assert len(probe.calls) == 1
+
+
+def test_rovist_vg_trainer_checks_the_vit_before_loading_data(probe):
+    from storyrl.training.rovist_vg import train_rovist_vg
+
+    config = SimpleNamespace(vit="resnet18", pretrained_vit=True, timm_kwargs={})  # no data options
+    _raises(lambda: train_rovist_vg.__wrapped__(config, False, False), "timm model 'resnet18'", "'timm/resnet18",
+            "--no-pretrained-vit")
+    # local weights: no hub needed, so the run goes on to read its data (which this config lacks)
+    config.timm_kwargs = {"pretrained_cfg_overlay": {"file": "/weights.pth"}}
+    with pytest.raises(AttributeError, match="pairs"):
+        train_rovist_vg.__wrapped__(config, False, False)

@@ -265,8 +265,15 @@ def train_rovist_vg(
     """Train RoViST-VG; the best model (lowest validation loss) is saved to
     ``output_dir/best`` in the reward's format. ``model`` replaces the one the
     config describes (e.g. a tiny one in tests). Returns the ``FitResult``."""
+    from storyrl.models.hub import require_hub_model, timm_hub_id
     from storyrl.training.loop import fit
 
+    hub_id = (timm_hub_id(config.vit, (config.timm_kwargs or {}).get("pretrained_cfg_overlay"))
+              if model is None and config.pretrained_vit else None)
+    if hub_id:  # before the pairs and GloVe load
+        require_hub_model(hub_id, what=f"timm model {config.vit!r} (weights)",
+                          hint="train from random weights (--no-pretrained-vit) or give local weights as "
+                               "timm_kwargs: {pretrained_cfg_overlay: {file: PATH}} in the YAML")
     pairs = read_pairs(config.pairs, config.image_root, check_images=config.check_images)
     if not pairs:
         raise ValueError(f"{config.pairs}: no pairs")
