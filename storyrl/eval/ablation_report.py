@@ -14,7 +14,8 @@ from typing import Any
 from storyrl.eval.ablation_config import HUMAN
 from storyrl.eval.sweep_report import csv_text, grouped_bars, markdown_table
 
-__all__ = ["HUMAN", "SHORT", "AblationResult", "VariantResult", "plot_ablation", "write_ablation_report"]
+__all__ = ["HUMAN", "SHORT", "AblationResult", "VariantResult", "ablation_figure", "plot_ablation",
+           "write_ablation_report"]
 
 #: The d_HM dimensions' column names: grounding → d_G, ...
 SHORT = {"grounding": "d_G", "coherence": "d_C", "repetition": "d_R"}
@@ -78,9 +79,8 @@ def markdown_report(result: AblationResult) -> str:
     return f"## Reward ablation\n\n{table}\n\n{note}\n"
 
 
-def plot_ablation(result: AblationResult, path: Path) -> None:
-    """Left: each metric's mean per variant (the human stories last); right:
-    the d_HM distances per variant."""
+def ablation_figure(result: AblationResult):
+    """The figure of :func:`plot_ablation` (a matplotlib Figure, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -96,8 +96,17 @@ def plot_ablation(result: AblationResult, path: Path) -> None:
     grouped_bars(right, [v.variant for v in result.variants], {**series, "d_HM": [v.d_hm for v in result.variants]})
     right.set_ylabel("distance to human stories")
     right.set_title("d_HM (lower is better)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    fig.tight_layout()  # room for the legends right of each axes
+    return fig
+
+
+def plot_ablation(result: AblationResult, path: Path) -> None:
+    """Left: each metric's mean per variant (the human stories last); right:
+    the d_HM distances per variant."""
+    import matplotlib.pyplot as plt
+
+    fig = ablation_figure(result)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
 
 

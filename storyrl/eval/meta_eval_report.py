@@ -39,7 +39,8 @@ def _series(kind: str, rows: Sequence[Sequence[Any]]) -> tuple[list[str], dict[s
     return labels, {"mean Δ (original − best random)": [r[4] for r in rows]}, "mean Δ"
 
 
-def _plot(kind: str, rows: Sequence[Sequence[Any]], path: Path, title: str) -> None:
+def figure(kind: str, rows: Sequence[Sequence[Any]], title: str):
+    """The bar chart of ``kind`` (a matplotlib Figure, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -53,10 +54,17 @@ def _plot(kind: str, rows: Sequence[Sequence[Any]], path: Path, title: str) -> N
     if kind == "pairs":
         ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")  # chance
         ax.set_ylim(0, 1)
-    fig.tight_layout()
+    fig.tight_layout()  # room for the legend right of the axes
+    return fig
+
+
+def _plot(kind: str, rows: Sequence[Sequence[Any]], path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(kind, rows, title)
     # savefig to a temporary name then rename: a kill never leaves half a PNG
     tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=150)
+    fig.savefig(tmp, dpi=150, bbox_inches="tight")
     plt.close(fig)
     tmp.replace(path)
 

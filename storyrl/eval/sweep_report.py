@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["csv_text", "grouped_bars", "markdown_table", "markdown_tables", "plot_dhm", "write_report"]
+__all__ = ["csv_text", "dhm_figure", "grouped_bars", "markdown_table", "markdown_tables", "plot_dhm", "write_report"]
 
 _COUNTS = ["records", "stories", "failures", "unscorable", "n"]
 
@@ -44,12 +44,32 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]]) -> None:
-    """One group of bars per label, one bar per series (NaN: no bar)."""
+    """One group of bars per label, one bar per series; a NaN (no value) is
+    marked "n/a" where its bar would be. The legend sits right of the axes,
+    where it cannot cover a bar (save with ``bbox_inches="tight"``)."""
     width = 0.8 / max(len(series), 1)
     for k, (name, values) in enumerate(series.items()):
-        ax.bar([i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))], list(values), width, label=name)
+        xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
+        ax.bar(xs, list(values), width, label=name)
+        for x, value in zip(xs, values):
+            if not (isinstance(value, (int, float)) and math.isfinite(value)):
+                ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="dimgrey")
     ax.set_xticks(range(len(labels)), list(labels), fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def _missing(sweep: Any) -> list[str]:
+    """The model / setting / prompt cells without a d_HM (none of their
+    stories scored on every metric on both sides), one entry each."""
+    missing = []
+    for mean in sweep.means:
+        cells = [c for c in sweep.cells if (c.model, c.setting) == (mean.model, mean.setting)]
+        lost = [c.prompt for c in cells if not math.isfinite(c.d_hm)]
+        if lost:
+            where = " / ".join(x for x in (mean.model, mean.setting) if x)
+            which = "all prompts" if len(lost) == len(cells) else ", ".join(lost)
+            missing.append(f"{where} ({which})")
+    return missing
 
 
 def _row(result: Any, dims: list[str]) -> list:
@@ -79,25 +99,49 @@ def markdown_tables(sweep: Any, dims: list[str]) -> str:
     return (f"## d_HM, mean over prompts\n\n{means}\n\n## d_HM per cell\n\n{cells}\n\n{note}\n")
 
 
-def plot_dhm(sweep: Any, dims: list[str], path: Path) -> None:
-    """Grouped bars per model × setting (mean over prompts): each dimension's
-    distance and d_HM. Rows without a d_HM are left out."""
+def dhm_figure(sweep: Any, dims: list[str]):
+    """The figure of :func:`plot_dhm` (a matplotlib Figure, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    rows = [m for m in sweep.means if math.isfinite(m.d_hm)]
+    rows = list(sweep.means)
     several = len({m.setting for m in rows}) > 1
-    labels = [f"{m.model}\n{m.setting}" if several else m.model for m in rows]
+    prompts = {(c.model, c.setting): 0 for c in sweep.cells}
+    for c in sweep.cells:
+        prompts[c.model, c.setting] += 1
+
+    def label(m: Any) -> str:
+        text = f"{m.model}\n{m.setting}" if several else m.model
+        total = prompts.get((m.model, m.setting), m.prompts)
+        return f"{text}\n({m.prompts} of {total} prompts)" if m.prompts < total else text
+
     series = {name: [m.d_hm if name == "d_HM" else m.distances.get(name, math.nan) for m in rows]
               for name in [*dims, "d_HM"]}
     fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(rows) + 2), 3.5))
-    grouped_bars(ax, labels, series)
+    grouped_bars(ax, [label(m) for m in rows], series)
     ax.set_ylabel("distance to human stories")
     ax.set_title("d_HM (lower is better)")
+    missing = _missing(sweep)
+    if missing:
+        import textwrap
+
+        note = "No d_HM (left out of the means): " + "; ".join(missing)
+        fig.text(0.01, 0.0, textwrap.fill(note, 110), ha="left", va="top", fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    return fig
+
+
+def plot_dhm(sweep: Any, dims: list[str], path: Path) -> None:
+    """Grouped bars per model × setting (mean over prompts): each dimension's
+    distance and d_HM. A model × setting without a d_HM keeps its place,
+    marked "n/a"; a mean over fewer prompts than the cell count says so; a
+    note under the chart lists every cell without a d_HM."""
+    import matplotlib.pyplot as plt
+
+    fig = dhm_figure(sweep, dims)
+    fig.savefig(path, dpi=150, bbox_inches="tight")  # the legend and the note are outside the axes
     plt.close(fig)
 
 
