@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-import storyrl.integrations as core
+import storyrl.integrations.scoring as core
 from storyrl.integrations import openrlhf, verl
 from storyrl.integrations.openrlhf import reward_func, story_from_query
 from storyrl.integrations.verl import compute_score, compute_score_batch

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-import storyrl.integrations as _core
+import storyrl.integrations.scoring as _core
 
 __all__ = ["Busy", "CallTimeout", "Closing", "RequestBatcher"]
 

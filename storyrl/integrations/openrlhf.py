@@ -66,7 +66,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import storyrl.integrations as _core
+import storyrl.integrations.scoring as _core
 
 log = logging.getLogger(__name__)
 

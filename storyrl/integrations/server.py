@@ -60,7 +60,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 
-import storyrl.integrations as _core
+import storyrl.integrations.scoring as _core
 from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher, _positive_finite
 from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
 from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth

@@ -84,7 +84,7 @@ from typing import Any
 
 import numpy as np
 
-import storyrl.integrations as _core
+import storyrl.integrations.scoring as _core
 from storyrl.integrations.batching import RequestBatcher
 
 __all__ = ["compute_score", "compute_score_async", "compute_score_batch", "gdpo_settings", "overrides"]
