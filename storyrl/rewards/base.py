@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 
 # Keyword arguments TRL passes to reward functions that are not story context.
 _TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "environments"})
+#: Per-story context a framework may carry (verl's ``extra_info``, OpenRLHF
+#: labels, the remote reward's labels); ``story_images`` takes the place of
+#: ``images``, as in TRL. Here, not in storyrl.integrations, so that the remote
+#: reward need not import the layer above it.
+CONTEXT_KEYS = ("reference", "story_id", "images", "story_images", "image_ids", "noun_phrases")
 # A reward whose scoring raised for this many stories in a row (across calls)
 # is broken, not fed bad stories: with one story per call the batch rule below
 # never sees a whole failing batch.

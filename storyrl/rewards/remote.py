@@ -62,6 +62,7 @@ import numpy as np
 from storyrl.config import option
 from storyrl.rewards.base import (
     _TRL_KWARGS,
+    CONTEXT_KEYS,
     FatalRewardError,
     Reward,
     RewardConfig,
@@ -350,8 +351,6 @@ class RemoteReward(Reward):
                 "labels": [self._label(c) for c in contexts]}
 
     def _label(self, context: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        from storyrl.integrations import CONTEXT_KEYS
-
         if not context:
             return None
         context = dict(context)
