@@ -4,7 +4,8 @@ This module holds the ``main`` group (one-line errors, exit 130 on Ctrl-C,
 ``--debug``, ``--verbose``, ``--version``) and registers the commands of its modules:
 ``score`` (score, groovist-calibrate, rewards), ``eval`` (dhm), ``data``
 (regions, assets), ``train`` (one command per registered trainer) and
-``launch`` (multi-process runs, also on the CPU); their shared helpers are
+``launch`` (multi-process runs, also on the CPU) and ``doctor`` (what a real
+run needs: present, missing, fetched); their shared helpers are
 in ``common``, the options generated from config dataclasses in
 ``config_options`` and the reward-specific parts in ``reward_options``.
 
@@ -21,6 +22,7 @@ import click
 from storyrl.cli.ablate import ablate
 from storyrl.cli.common import CommandError
 from storyrl.cli.data import assets, regions
+from storyrl.cli.doctor import doctor
 from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
@@ -108,3 +110,4 @@ main.add_command(ablate)
 main.add_command(serve)
 main.add_command(meta_eval)
 main.add_command(launch)
+main.add_command(doctor)
