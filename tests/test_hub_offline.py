@@ -125,3 +125,22 @@ def test_features_offline_names_the_backbone_and_suggests_no_pretrained(monkeypa
     # --no-pretrained needs no hub
     assert CliRunner().invoke(main, [*args, "--no-pretrained"], env={"HF_HUB_OFFLINE": "1"}).exit_code == 0
     assert creates == [False]
+
+
+def test_groovist_calibrate_offline_fails_before_any_work(monkeypatch, probe, tmp_path):
+    import open_clip
+
+    creates = []
+    monkeypatch.setattr(open_clip, "create_model_and_transforms", lambda *a, **k: creates.append(a) or 1 / 0)
+    calibrations = []
+    monkeypatch.setattr("storyrl.rewards.groovist.calibrate_theta", lambda *a, **k: calibrations.append(a) or 1 / 0)
+    Image.new("RGB", (8, 8)).save(tmp_path / "i0.jpg")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"story_id": "s0", "story": "A dog.", "images": [str(tmp_path / "i0.jpg")]}) + "\n")
+    (tmp_path / "nps.json").write_text(json.dumps({"s0": ["a dog"]}))
+    (tmp_path / "pronouns.txt").write_text("he\n")
+    args = ["groovist-calibrate", str(data), "--noun-phrases", str(tmp_path / "nps.json"),
+            "--pronouns", str(tmp_path / "pronouns.txt"), "--weighting", "none"]
+    line = _one_error(CliRunner().invoke(main, args, env={"HF_HUB_OFFLINE": "1"}))
+    assert "CLIP model 'ViT-B-32' (pretrained='openai')" in line and "--clip-pretrained FILE" in line
+    assert creates == [] and probe == [] and calibrations == []  # checked at setup, before the calibration starts

@@ -12,7 +12,14 @@ import click
 
 from storyrl.cli.common import _FILE, _check_outputs, _fail, _metric_list
 from storyrl.cli.config_options import GeneratedOptionsCommand, reward_options
-from storyrl.cli.reward_options import EPILOG, attach_context_files, context_file_options, input_paths, make_rewards
+from storyrl.cli.reward_options import (
+    EPILOG,
+    NOUNS_OPTION,
+    attach_context_files,
+    context_file_options,
+    input_paths,
+    make_rewards,
+)
 
 
 @click.command("rewards")
@@ -74,14 +81,16 @@ def _ready(rewards, records=()) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--explain", type=click.Path(dir_okay=False, path_type=Path), help="Write per-NP GROOViST details to this JSONL file.")
 @context_file_options
+@NOUNS_OPTION
 def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, explain, image_id_map, noun_phrase_map,
-          **reward_values) -> None:
+          noun_map, **reward_values) -> None:
     """Score the stories in STORIES (JSON {id: story} or JSONL records) and
     write OUT as CSV: story_id plus one column per metric (empty = unscorable).
     Rows are written as they are scored; --resume continues an interrupted run.
     OUT is locked while the command runs. Exits non-zero when a metric scored
     no story. Image-based metrics (groovist, clipscore) read each record's
-    images or image_ids (or --image-ids)."""
+    images or image_ids (or --image-ids); rovist_vg reads each record's
+    nouns (or --nouns) when given, instead of parsing the story with spaCy."""
     from storyrl.data import ScoreWriter, load_stories, read_scores
 
     names = _metric_list(metrics)
@@ -91,7 +100,7 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
         _fail("--resume and --overwrite exclude each other")
     if out.suffix.lower() != ".csv":
         _fail(f"--out {out}: score tables are CSV files; name it *.csv")
-    inputs = [stories, *configs, image_id_map, noun_phrase_map, *input_paths(reward_values)]
+    inputs = [stories, *configs, image_id_map, noun_phrase_map, noun_map, *input_paths(reward_values)]
     _check_outputs({"--out": out, "--explain": explain}, inputs, "keep" if resume or overwrite else "refuse")
 
     rewards = make_rewards(names, configs, reward_values)
@@ -102,7 +111,7 @@ def score(stories, metrics, configs, out, resume, overwrite, batch_size, quiet, 
     if len(set(columns)) != len(columns):
         _fail(f"a metric is requested twice: {columns}")
     records = load_stories(stories)
-    attach_context_files(records, image_id_map, noun_phrase_map)
+    attach_context_files(records, image_id_map, noun_phrase_map, noun_map)
     _ready(rewards, records)
 
     with ScoreWriter(out, columns, resume=resume, overwrite=overwrite) as writer:
@@ -218,6 +227,10 @@ def groovist_calibrate(stories, batch_size, quiet, image_id_map, noun_phrase_map
     except StoryDataError as exc:
         _fail(str(exc))
     attach_context_files(records, image_id_map, noun_phrase_map)
+    try:  # models, spaCy and the hub are checked before any work, as score does
+        _ready([reward], records)
+    except ValueError as exc:
+        _fail(str(exc))
     context = _context(records)
     from storyrl.console import progress as progress_bar
 

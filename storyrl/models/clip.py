@@ -66,7 +66,8 @@ class ClipEmbedder:
         hub_id = open_clip_hub_id(spec.model, spec.pretrained)
         if hub_id:
             require_hub_model(hub_id, what=f"CLIP model {spec.model!r} (pretrained={spec.pretrained!r})",
-                              hint="pass a local checkpoint file as pretrained")
+                              hint="set the reward's clip_pretrained option to a local checkpoint file "
+                                   "(--clip-pretrained FILE)")
         try:
             # hf-hub:/local-dir: models carry their own weights and open_clip ignores
             # pretrained for them (logging that it does, for the "openai" default).
