@@ -80,3 +80,55 @@ def test_score_rovist_vg_reads_records_nouns_without_spacy(tmp_path, images, rov
                         nouns=[r["nouns"] for r in records])
     assert np.isfinite(want).all()
     assert got == pytest.approx({"s0": want[0], "s1": want[1]}, rel=1e-5)
+
+
+def _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, records, name, *extra):
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / f"{name}.csv"
+    args = ["score", data, "-m", "rovist_vg", "--rovist-vg-model", rovist_vg_dir, "--glove", glove_path,
+            "--regions", "whole", "--spacy-pipeline", MISSING, "--device", "cpu", "-o", out, "-q", *extra]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exit_code != 0:
+        return _one_error(result)
+    with out.open() as f:
+        return {row["story_id"]: float(row["rovist_vg"]) for row in csv.DictReader(f)}
+
+
+def test_score_rovist_vg_nouns_file_scores_as_records_nouns(tmp_path, images, rovist_vg_dir, glove_path):
+    nouns = {"s0": ["dog", "cat"], "s1": ["man", "tree"]}
+    bare = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images},
+            {"story_id": "s1", "story": "a man by the tree.", "images": images[:2]}]
+    carrying = [{**r, "nouns": nouns[r["story_id"]]} for r in bare]
+    want = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, carrying, "carrying")
+    assert set(want) == {"s0", "s1"} and all(np.isfinite(list(want.values())))
+    noun_file = tmp_path / "nouns.json"
+    noun_file.write_text(json.dumps(nouns))
+    got = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, bare, "file", "--nouns", noun_file)
+    assert got == pytest.approx(want, rel=1e-6)
+    # the file's nouns are the ones scored: other nouns, other scores
+    noun_file.write_text(json.dumps({"s0": ["man", "tree"], "s1": ["dog", "cat"]}))
+    swapped = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, bare, "swapped", "--nouns", noun_file)
+    assert swapped["s0"] != pytest.approx(want["s0"]) and swapped["s1"] != pytest.approx(want["s1"])
+    # without nouns, the missing pipeline is named with --nouns as the way around it
+    line = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, bare, "none")
+    assert f"spaCy pipeline '{MISSING}' is not installed" in line and "--nouns" in line
+
+
+@pytest.mark.parametrize(("content", "needles"), [
+    ({"s0": ["dog", None], "s1": ["man"]}, ["'s0'", "nouns"]),  # ints pass, as in records
+    ({"s0": "dog", "s1": ["man"]}, ["'s0'", "nouns"]),
+    ({"s0": ["dog"]}, ["no entry for story 's1'"]),
+    (["dog"], ["expected a JSON object {story_id: [nouns]}"]),
+])
+def test_malformed_nouns_file_is_one_line_naming_file_and_record(tmp_path, images, rovist_vg_dir, glove_path,
+                                                                  content, needles):
+    bare = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images},
+            {"story_id": "s1", "story": "a man by the tree.", "images": images[:2]}]
+    noun_file = tmp_path / "nouns.json"
+    noun_file.write_text(json.dumps(content))
+    line = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, bare, "bad", "--nouns", noun_file)
+    assert str(noun_file) in line
+    for needle in needles:
+        assert needle in line, line
+    assert not (tmp_path / "bad.csv").exists()

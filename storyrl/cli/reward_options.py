@@ -18,6 +18,9 @@ CONTEXT_FILE_OPTIONS = [
     click.option("--image-ids", "image_id_map", type=_FILE, help="JSON {story_id: [image ids]} for story sets without images."),
     click.option("--noun-phrases", "noun_phrase_map", type=_FILE, help="Precomputed NPs, JSON {story_id: [phrases]} (skips spaCy)."),
 ]
+# score only: rovist_vg is the one reward that reads nouns.
+NOUNS_OPTION = click.option("--nouns", "noun_map", type=_FILE,
+                            help="Precomputed nouns for rovist_vg, JSON {story_id: [nouns]} (skips spaCy).")
 EPILOG = ("Every option of a reward also has the spelling --<reward>-<option> (e.g. --coherence-model, "
           "--groovist-batch-size), which reaches only that reward; `storyrl rewards NAME` lists a reward's options.")
 
@@ -66,15 +69,19 @@ def _config_reward_name(path: Path) -> str | None:
     return data.get("reward") if isinstance(data, dict) else None
 
 
-def attach_context_files(records, image_id_map: Path | None, noun_phrase_map: Path | None) -> None:
-    """Fill records' image ids / noun phrases from ``--image-ids`` / ``--noun-phrases``."""
+def attach_context_files(records, image_id_map: Path | None, noun_phrase_map: Path | None,
+                         noun_map: Path | None = None) -> None:
+    """Fill records' image ids / noun phrases / nouns from ``--image-ids`` /
+    ``--noun-phrases`` / ``--nouns``."""
     from storyrl.data import StoryDataError, load_id_lists
 
-    for key, path in (("image_ids", image_id_map), ("noun_phrases", noun_phrase_map)):
+    files = (("image_ids", image_id_map, "image ids"), ("noun_phrases", noun_phrase_map, "phrases"),
+             ("nouns", noun_map, "nouns"))
+    for key, path, what in files:
         if path is None:
             continue
         try:
-            table = load_id_lists(path, "image ids" if key == "image_ids" else "phrases")
+            table = load_id_lists(path, what)
         except StoryDataError as exc:
             _fail(str(exc))
         missing = [r.story_id for r in records if r.story_id not in table]
