@@ -47,9 +47,9 @@ PLAIN_MININTERVAL_S = 10.0
 _LIBRARY_VERBOSITY = {"transformers": "TRANSFORMERS_VERBOSITY", "huggingface_hub": "HF_HUB_VERBOSITY",
                       "datasets": "DATASETS_VERBOSITY"}
 
-# (logger name, message prefixes) of log records that are noise for a user.
+# (logger name, message parts) of log records that are noise for a user.
 # open_clip logs through the root logger (logging.warning), accelerate through
-# logging.getLogger("accelerate.utils.other").
+# logging.getLogger("accelerate.utils.other") with a "[RANK n] " prefix.
 _NOISY_RECORDS = {
     "": ("Ignoring `pretrained=", "No pretrained weights loaded for model "),
     "accelerate.utils.other": ("Removed shared tensor ",),
@@ -61,13 +61,14 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
-class _DropPrefixes(logging.Filter):
-    def __init__(self, prefixes: tuple[str, ...]) -> None:
+class _DropMessages(logging.Filter):
+    def __init__(self, parts: tuple[str, ...]) -> None:
         super().__init__()
-        self.prefixes = prefixes
+        self.parts = parts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
+        message = str(record.msg)  # these libraries log formatted strings: no need to apply args
+        return not any(part in message for part in self.parts)
 
 
 _configured = False
@@ -94,8 +95,8 @@ def configure_output(verbose_output: bool | None = None) -> bool:
 
     for category in (FutureWarning, DeprecationWarning, PendingDeprecationWarning, TorchvisionOpsFallbackWarning):
         warnings.filterwarnings("ignore", category=category)
-    for name, prefixes in _NOISY_RECORDS.items():
-        logging.getLogger(name).addFilter(_DropPrefixes(prefixes))
+    for name, parts in _NOISY_RECORDS.items():
+        logging.getLogger(name).addFilter(_DropMessages(parts))
     for module, variable in _LIBRARY_VERBOSITY.items():
         os.environ.setdefault(variable, "error")  # read when the library is imported, here and in subprocesses
         if module in sys.modules:  # imported already: its level was set from the environment then
