@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Decoding", "TransformersEngine", "VllmEngine", "create_engine"]
+__all__ = ["Decoding", "TransformersEngine", "VllmEngine", "create_engine", "image_token_id"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,17 @@ class Decoding:
         return kwargs
 
 
+def image_token_id(config) -> int | None:
+    """The id of the placeholder token the model replaces by image features
+    (LLaVA-family configs), or None for models without one (e.g. BLIP-2 before
+    transformers gave it one)."""
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
 class TransformersEngine:
     def __init__(self, model: str, revision: str | None, device: str | None, precision: str, load_in_4bit: bool,
                  decoding: Decoding) -> None:
@@ -51,6 +62,7 @@ class TransformersEngine:
         self.family = self.vlm.family
         self.text_model_type = self.vlm.language_model_type
         self.commit = self.vlm.commit
+        self.image_token_id = image_token_id(self.vlm.model.config)
         import torch
 
         torch.manual_seed(decoding.seed)
@@ -97,6 +109,7 @@ class VllmEngine:
         self.family = config.model_type
         self.text_model_type = getattr(getattr(config, "text_config", None), "model_type", None)
         self.commit = getattr(config, "_commit_hash", None)
+        self.image_token_id = image_token_id(config)
         self.llm = LLM(**options)
         self.params = SamplingParams(
             max_tokens=decoding.max_new_tokens,

@@ -18,9 +18,11 @@ or, for the sentence settings, image position by position across the batch
 prompt: ``authors`` (``[INST] <image>\\n... [/INST]``, the d_HM script for
 LLaVA-NeXT Mistral; outputs are decoded with the prompt and cut after the
 last ``[/INST]`` as theirs were), ``template`` (the processor's chat
-template), ``plain`` (the text alone, e.g. BLIP-2) or ``auto`` (``authors``
-for LLaVA-NeXT with a Mistral decoder, else ``template`` when the processor
-has one, else ``plain``).
+template), ``plain`` (the text alone, e.g. BLIP-2, whose processor inserts
+the image's tokens itself; for a processor that expands an image token the
+prompt must carry, as LLaVA's do, the token and a newline come first) or
+``auto`` (``authors`` for LLaVA-NeXT with a Mistral decoder, else
+``template`` when the processor has one, else ``plain``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from storyrl.generators.prompts import PromptTemplate, load_prompts, mistral_ins
 from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
 
-__all__ = ["CHAT_FORMATS", "DEFAULT_PROMPTS", "SETTINGS", "PromptingConfig", "PromptingGenerator"]
+__all__ = ["CHAT_FORMATS", "DEFAULT_PROMPTS", "SETTINGS", "PromptingConfig", "PromptingGenerator",
+           "processor_image_token"]
 
 SETTINGS = ("visual", "prev_sentence", "all_sentences", "no_context")
 CHAT_FORMATS = ("auto", "authors", "template", "plain")
@@ -123,6 +126,7 @@ class PromptingGenerator(Generator):
         super().__init__(config, **options)
         self._template = self.args.template()  # a bad prompts file fails here, before any model loads
         self._engine = None
+        self._image_prefix = ""  # the plain format's image token, when the processor needs one in the text
 
     def _setup(self) -> None:
         if self._engine is not None:
@@ -133,6 +137,23 @@ class PromptingGenerator(Generator):
         decoding = Decoding(a.max_new_tokens, a.do_sample, a.temperature, a.top_p, a.top_k, a.num_beams, a.seed)
         self._engine = create_engine(a.backend, model=a.model, revision=a.revision, device=a.device,
                                      precision=a.precision, load_in_4bit=a.load_in_4bit, decoding=decoding)
+        # decided (or refused) at start, not story by story
+        self._image_prefix = self._plain_image_prefix() if self.chat_format == "plain" else ""
+
+    def _plain_image_prefix(self) -> str:
+        """The processor's image token and a newline when the model needs the
+        token in its prompt and the processor does not insert it itself, else
+        "" (BLIP-2 prepends its query tokens; a model without an image token)."""
+        processor = self._engine.processor
+        token = processor_image_token(processor)
+        if token is None:
+            if self._engine.image_token_id is not None:
+                raise ValueError(
+                    f"model {self.args.model}: chat format 'plain' cannot place the image (the model needs an image "
+                    "token and its processor names none); choose --chat-format template with a processor that has a "
+                    "chat template, or --chat-format authors for LLaVA-NeXT")
+            return ""
+        return "" if _inserts_image_tokens(processor, token) else f"{token}\n"
 
     # -- prompts ----------------------------------------------------------------
     @property
@@ -161,6 +182,9 @@ class PromptingGenerator(Generator):
         if fmt == "template":
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
             return self._engine.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        self._setup()
+        if self._image_prefix and self._image_prefix.strip() not in text:  # one image token per image
+            return self._image_prefix + text
         return text
 
     def metadata(self) -> dict[str, Any]:
@@ -220,3 +244,29 @@ class PromptingGenerator(Generator):
     def _call(self, prompts: list[str], images: list[Any]) -> list[str]:
         self._setup()
         return self._engine.generate(prompts, images, decode_prompt=self.chat_format == "authors")
+
+
+def processor_image_token(processor) -> str | None:
+    """The image placeholder token of a processor (``processor.image_token``,
+    else its tokenizer's), or None."""
+    for owner in (processor, getattr(processor, "tokenizer", None)):
+        token = getattr(owner, "image_token", None)
+        token = getattr(token, "content", token)  # an AddedToken
+        if isinstance(token, str) and token:
+            return token
+    return None
+
+
+def _inserts_image_tokens(processor, token: str) -> bool:
+    """Whether ``processor`` puts image tokens in the input ids of a text
+    without ``token`` (BLIP-2's query tokens) rather than expanding the token
+    where the text has it (LLaVA's)."""
+    from PIL import Image
+
+    tokenizer = getattr(processor, "tokenizer", processor)
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    try:
+        ids = processor(images=[Image.new("RGB", (32, 32))], text=["story"], return_tensors="pt")["input_ids"]
+    except (ValueError, TypeError, IndexError, KeyError, RuntimeError):  # some refuse a text without the token
+        return False
+    return bool((ids == token_id).any())
