@@ -62,7 +62,7 @@ class TransformersEngine:
         self.family = self.vlm.family
         self.text_model_type = self.vlm.language_model_type
         self.commit = self.vlm.commit
-        self.image_token_id = image_token_id(self.vlm.model.config)
+        self.image_token_id = image_token_id(getattr(self.vlm.model, "config", None))
         import torch
 
         torch.manual_seed(decoding.seed)
