@@ -159,7 +159,13 @@ def test_local_directories_are_never_probed(probe, tmp_path):
 
     for name in (str(tmp_path), f"{tmp_path}/", "~"):
         require_hub_model(name)
+    # paths that do not exist are not repo ids either: the loader reports them, no probe and no hub error
+    for name in (str(tmp_path / "missing"), "./missing", "../missing", "~/missing", "runs/a/final"):
+        require_hub_model(name)
     assert probe.calls == []
+    with pytest.raises(hub.HubUnreachableError):  # a repo id is still checked
+        require_hub_model("org/model")
+    assert len(probe.calls) == 1
 
 
 def test_many_loaders_one_probe(probe):

@@ -17,8 +17,8 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-__all__ = ["HubUnreachableError", "hub_reachable", "local_copy_hint", "open_clip_hub_id", "require_hub_model",
-           "timm_hub_id"]
+__all__ = ["HubUnreachableError", "hub_reachable", "local_copy_hint", "looks_like_repo_id", "open_clip_hub_id",
+           "require_hub_model", "timm_hub_id"]
 
 PROBE_TIMEOUT_S = 3.0
 _REACHABLE: bool | None = None
@@ -93,6 +93,13 @@ def in_cache(repo_id: str) -> bool:
         return False
 
 
+def looks_like_repo_id(name: str) -> bool:
+    """Whether ``name`` can be a hub repo id (``name`` or ``org/name``):
+    absolute, relative (``./``, ``../``), home (``~``) and deeper paths cannot."""
+    name = name.removeprefix("hf-hub:").rstrip("/")
+    return bool(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 and "\\" not in name
+
+
 def require_hub_model(name: str, *, what: str = "model", hint: str = "pass a local directory instead") -> None:
     """Raise :class:`HubUnreachableError` when ``name`` (a hub repo id or a
     local directory) would need a download from an unreachable hub.
@@ -100,8 +107,8 @@ def require_hub_model(name: str, *, what: str = "model", hint: str = "pass a loc
     A local path, or a repo already in the local cache, passes without a
     probe. ``what`` names the thing ("model", "timm backbone", ...);
     ``hint`` is what the command offers instead (e.g. ``--no-pretrained``)."""
-    if not name or Path(name).expanduser().exists():
-        return
+    if not name or Path(name).expanduser().exists() or not looks_like_repo_id(name):
+        return  # a local path (or a missing one, the loader's to report): never probed
     repo_id = name.removeprefix("hf-hub:").rstrip("/")
     if in_cache(repo_id) or hub_reachable():
         return
