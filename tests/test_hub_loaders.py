@@ -189,3 +189,25 @@ def test_rovist_vg_trainer_checks_the_vit_before_loading_data(probe):
     config.timm_kwargs = {"pretrained_cfg_overlay": {"file": "/weights.pth"}}
     with pytest.raises(AttributeError, match="pairs"):
         train_rovist_vg.__wrapped__(config, False, False)
+
+
+def test_an_unreachable_hub_turns_on_offline_mode_for_cached_models(probe, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "models--org--cached" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    monkeypatch.setattr(hub, "_cache_dir", lambda: tmp_path)
+    assert constants.is_offline_mode() is False
+    hub.require_hub_model("org/cached")  # cached: passes, but the hub was probed once ...
+    assert len(probe.calls) == 1
+    assert constants.is_offline_mode() is True  # ... and the cached copy loads without retries
+    message = _raises(lambda: hub.require_hub_model("org/not-cached"), "cannot be reached")
+    assert "HF_HUB_OFFLINE is set" not in message and len(probe.calls) == 1
+    hub._reset()
+    assert constants.is_offline_mode() is False  # tests get the flag back
+
+
+def test_after_the_switch_the_reason_is_still_the_unreachable_hub(probe):
+    assert hub.hub_reachable() is False
+    assert hub._env_offline() is False  # doctor and the errors name the hub, not HF_HUB_OFFLINE

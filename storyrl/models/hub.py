@@ -6,7 +6,9 @@ before failing with an error that names neither the model nor what to do.
 once per process whether the hub can be reached (``HF_HUB_OFFLINE=1`` means
 no; otherwise a ~3 s TCP connect to the endpoint, cached), and when it cannot
 and the model is not in the local cache it raises :class:`HubUnreachableError`
-at once, one line naming the model and what to do.
+at once, one line naming the model and what to do. An unreachable hub also
+turns on huggingface_hub's offline mode, so cached models load at once.
+Local paths are never probed.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = ["HubUnreachableError", "hub_reachable", "local_copy_hint", "looks_lik
 
 PROBE_TIMEOUT_S = 3.0
 _REACHABLE: bool | None = None
+_SAVED_OFFLINE: bool | None = None  # huggingface_hub's offline flag before an unreachable hub switched it on
 _LOCK = threading.Lock()
 
 
@@ -36,6 +39,8 @@ def _env_offline() -> bool:
         from huggingface_hub import constants
     except ImportError:  # pragma: no cover - huggingface_hub is a dependency
         return False
+    if _SAVED_OFFLINE is not None:  # the user's setting, not the switch of an unreachable hub
+        return bool(_SAVED_OFFLINE)
     return bool(constants.HF_HUB_OFFLINE)
 
 
@@ -58,21 +63,33 @@ def _probe(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
 
 def hub_reachable() -> bool:
     """False when ``HF_HUB_OFFLINE`` is set or the endpoint does not answer;
-    the probe runs once per process."""
-    global _REACHABLE
-    if _env_offline():
-        return False
+    the probe runs once per process. An unreachable hub switches
+    huggingface_hub to offline mode for the rest of the process, so that
+    models already in the cache load from it at once instead of retrying."""
+    global _REACHABLE, _SAVED_OFFLINE
     with _LOCK:
-        if _REACHABLE is None:
+        if _REACHABLE is None and not _env_offline():
             _REACHABLE = _probe(endpoint())
-        return _REACHABLE
+            if not _REACHABLE:
+                try:
+                    from huggingface_hub import constants
+                except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+                    pass
+                else:
+                    _SAVED_OFFLINE = constants.HF_HUB_OFFLINE
+                    constants.HF_HUB_OFFLINE = True
+        return bool(_REACHABLE) and not _env_offline()
 
 
 def _reset() -> None:
-    """Forget the probe's answer (tests)."""
-    global _REACHABLE
+    """Forget the probe's answer and undo its offline switch (tests)."""
+    global _REACHABLE, _SAVED_OFFLINE
     with _LOCK:
-        _REACHABLE = None
+        if _SAVED_OFFLINE is not None:
+            from huggingface_hub import constants
+
+            constants.HF_HUB_OFFLINE = _SAVED_OFFLINE
+        _REACHABLE = _SAVED_OFFLINE = None
 
 
 def _cache_dir() -> Path:
@@ -110,7 +127,9 @@ def require_hub_model(name: str, *, what: str = "model", hint: str = "pass a loc
     if not name or Path(name).expanduser().exists() or not looks_like_repo_id(name):
         return  # a local path (or a missing one, the loader's to report): never probed
     repo_id = name.removeprefix("hf-hub:").rstrip("/")
-    if in_cache(repo_id) or hub_reachable():
+    # The probe comes first even for a cached repo: an unreachable hub turns
+    # on offline mode, so the cached copy loads without transformers' retries.
+    if hub_reachable() or in_cache(repo_id):
         return
     why = "HF_HUB_OFFLINE is set" if _env_offline() else f"{endpoint()} cannot be reached"
     raise HubUnreachableError(
