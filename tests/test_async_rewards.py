@@ -188,7 +188,7 @@ def test_sync_rewards_run_one_after_the_other():
 
 
 def test_ppo_awaits_async_rewards_together():
-    from storyrl.training.rl.ppo_rewards import call_rewards
+    from storyrl.training.rl.ppo.rewards import call_rewards
 
     funcs = [AsyncReward(create_reward("test_async_wait_a")), AsyncReward(create_reward("test_async_wait_b")),
              create_reward("test_async_words")]
@@ -202,7 +202,7 @@ def test_ppo_awaits_async_rewards_together():
 def test_ppo_passes_a_fatal_reward_error_on_after_one_call(kind):
     """Retrying a server that is down for good, completion by completion,
     only delays the stop: the error comes out as it is, after one call."""
-    from storyrl.training.rl.ppo_rewards import call_rewards
+    from storyrl.training.rl.ppo.rewards import call_rewards
 
     class ServerGone(FatalRewardError):
         pass
@@ -299,7 +299,7 @@ def test_ppo_masks_only_the_completions_the_server_failed(tmp_path):
 
     from storyrl.integrations.server import run_in_thread
     from storyrl.training.rl.ppo import PPOTrainer
-    from storyrl.training.rl.ppo_config import PPOConfig
+    from storyrl.training.rl.ppo.config import PPOConfig
 
     server = FakeServer(fails=lambda label: label.get("story_id") == "s1")
     prompt = "Tell me a story about these pictures."

@@ -31,7 +31,7 @@ def _checkpoint(root: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_find_latest_checkpoint_is_the_numerically_highest_complete_one(tmp_path):
-    from storyrl.training.rl.ppo_checkpoints import find_latest_checkpoint
+    from storyrl.training.rl.ppo.checkpoints import find_latest_checkpoint
 
     assert find_latest_checkpoint(tmp_path) is None
     for step in (2, 10, 9):
@@ -66,7 +66,7 @@ class FakeAccelerator:
 
 
 def test_save_checkpoint_writes_aside_then_keeps_the_newest(tmp_path):
-    from storyrl.training.rl.ppo_checkpoints import TRAINER_STATE, find_latest_checkpoint, save_checkpoint
+    from storyrl.training.rl.ppo.checkpoints import TRAINER_STATE, find_latest_checkpoint, save_checkpoint
 
     acc = FakeAccelerator()
     for step in (2, 9, 10, 11):
@@ -91,7 +91,7 @@ def test_save_checkpoint_writes_aside_then_keeps_the_newest(tmp_path):
 
 
 def test_save_checkpoint_on_another_process_neither_renames_nor_deletes(tmp_path):
-    from storyrl.training.rl.ppo_checkpoints import save_checkpoint
+    from storyrl.training.rl.ppo.checkpoints import save_checkpoint
 
     for step in (1, 2, 3):
         _checkpoint(tmp_path, f"checkpoint-{step}")
@@ -365,7 +365,7 @@ def test_adaptation_step_sends_the_gradient_through_the_visual_encoding():
 
 
 def test_ppo_rollouts_sample_with_the_configured_top_k_top_p_and_temperature():
-    from storyrl.training.rl.rollout import _generation_config
+    from storyrl.training.rl.ppo.rollout import _generation_config
 
     args = SimpleNamespace(response_length=12, temperature=0.7, top_p=0.9, top_k=7)
     config = _generation_config(args, stop_token_id=2, pad_token_id=0)

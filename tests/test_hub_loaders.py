@@ -64,7 +64,7 @@ def test_policy_loaders_name_the_model_and_the_model_key(probe):
 
 
 def test_value_model_names_the_yaml_key(probe):
-    from storyrl.training.rl.value import load_value_model
+    from storyrl.training.rl.ppo.value import load_value_model
 
     _raises(lambda: load_value_model(MISSING), f"value model {MISSING!r}", "ppo.value_model")
 
@@ -171,7 +171,7 @@ def test_local_directories_are_never_probed(probe, tmp_path):
 def test_many_loaders_one_probe(probe):
     from storyrl.generators.tapm.model import load_decoder
     from storyrl.models.vrank import load_vrank_model
-    from storyrl.training.rl.value import load_value_model
+    from storyrl.training.rl.ppo.value import load_value_model
 
     for load in (load_decoder, load_value_model, load_vrank_model):
         with pytest.raises(hub.HubUnreachableError):

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from storyrl.training.rl.ppo_config import PPOConfig  # noqa: E402
+from storyrl.training.rl.ppo.config import PPOConfig  # noqa: E402
 
 CORPUS = ["The cat sat on the mat. The dog ran to the park.", "A dog ran to the park. It played with a red ball.",
           "Tell me a story about these pictures.", "We went to the beach. The sea was blue."]
@@ -286,7 +286,7 @@ def sampling_logprobs_agree(trainer, rows, padded=True):
     positions, the response window, kept logits) equal those generate()
     sampled from (its processed scores: tempered, suppressed tokens
     removed), at every real response token."""
-    from storyrl.training.rl.rollout import response_logits
+    from storyrl.training.rl.ppo.rollout import response_logits
 
     policy = trainer.policy
     generate, captured = policy.generate, {}
@@ -343,7 +343,7 @@ def test_forward_logprobs_equal_the_sampling_distribution_vlm(tmp_path, vlm):
 
 
 def test_select_multimodal_cuts_images_per_sequence():
-    from storyrl.training.rl.rollout import select_multimodal
+    from storyrl.training.rl.ppo.rollout import select_multimodal
 
     pixel = torch.arange(5).float().view(5, 1, 1)  # 5 images: sequences own 2, 1, 2 of them
     sizes = torch.arange(10).view(5, 2)
@@ -356,7 +356,7 @@ def test_select_multimodal_cuts_images_per_sequence():
 
 
 def test_truncate_responses_after_the_stop_token():
-    from storyrl.training.rl.rollout import truncate_responses
+    from storyrl.training.rl.ppo.rollout import truncate_responses
 
     response = torch.tensor([[5, 7, 2, 9, 2], [5, 6, 7, 8, 9], [2, 4, 4, 4, 4]])
     cut, lengths, ended = truncate_responses(response, stop_token_id=2, pad_token_id=0)
@@ -408,7 +408,7 @@ def test_a_reward_that_fails_for_every_completion_is_an_error(tmp_path):
 
 
 def test_missing_eos_penalty_then_score_clip(tmp_path, monkeypatch):
-    from storyrl.training.rl import ppo_math
+    from storyrl.training.rl.ppo import math as ppo_math
     from storyrl.training.rl.ppo import PPOTrainer
 
     seen, rollouts = [], []
@@ -559,7 +559,7 @@ def tapm_model(tapm, lora=False):
 def test_tapm_policy_two_steps_credits_every_sentence_with_the_story_score(tmp_path, tapm, monkeypatch, lora):
     from datasets import Dataset
 
-    from storyrl.training.rl import ppo_math
+    from storyrl.training.rl.ppo import math as ppo_math
     from storyrl.training.rl.ppo import PPOTrainer
 
     seen = []

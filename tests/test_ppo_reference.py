@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from storyrl.training.rl.ppo_config import PPOConfig  # noqa: E402
+from storyrl.training.rl.ppo.config import PPOConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 

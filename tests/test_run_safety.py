@@ -798,7 +798,7 @@ def test_ppo_trainer_steps_and_weights(tmp_path):
     from datasets import Dataset
 
     from storyrl.training.rl.ppo import PPOTrainer
-    from storyrl.training.rl.ppo_config import PPOConfig
+    from storyrl.training.rl.ppo.config import PPOConfig
 
     tokenizer = tiny_models.chat_tokenizer(["a dog ran . the cat sat ."])
     data = Dataset.from_dict({"prompt": ["a dog"] * 6, "story_id": [f"s{k}" for k in range(6)]})

@@ -18,8 +18,8 @@
 * :mod:`~storyrl.training.rl.trl_trainers`: GRPO and RLOO through TRL's
   trainers with storyrl rewards as reward functions and the story monitor.
 * :mod:`~storyrl.training.rl.ppo`: PPO on accelerate (TRL 1.16 has none),
-  its config (:mod:`~storyrl.training.rl.ppo_config`), pure math
-  (:mod:`~storyrl.training.rl.ppo_math`), rollouts and value models.
+  its config (:mod:`~storyrl.training.rl.ppo.config`), pure math
+  (:mod:`~storyrl.training.rl.ppo.math`), rollouts and value models.
 * :mod:`~storyrl.training.rl.monitor`: the signs of reward hacking logged at
   every step (story length, distinct-n, sample stories; KL from the
   trainers, unscorable fractions from the rewards).

@@ -2,7 +2,7 @@
 
 One YAML file sets the policy, the data and its prompts, the rewards, and
 the algorithm's own options as a nested mapping: ``ppo`` (storyrl's
-:class:`~storyrl.training.rl.ppo_config.PPOConfig`), ``grpo`` / ``rloo``
+:class:`~storyrl.training.rl.ppo.config.PPOConfig`), ``grpo`` / ``rloo``
 (TRL's ``GRPOConfig`` / ``RLOOConfig``, any of their keys).
 
 Which keys win: ``output_dir``, ``seed``, ``max_steps``, ``report_to`` and
@@ -39,7 +39,7 @@ from trl import GRPOConfig, RLOOConfig
 from storyrl.config import Config, check_type, option
 from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
-from storyrl.training.rl.ppo_config import TRACKERS, PPOConfig
+from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
 
 __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "LoraOptions", "RLConfig"]
 

@@ -3,7 +3,7 @@
 One step of :class:`PPOTrainer`:
 
 1. rollout: ``per_device_train_batch_size`` prompts per process, sampled
-   from the policy (:mod:`storyrl.training.rl.rollout`), each response cut
+   from the policy (:mod:`storyrl.training.rl.ppo.rollout`), each response cut
    after its first stop token;
 2. one no-grad pass for the policy's log-probabilities and values and one
    for the frozen reference's log-probabilities;
@@ -20,7 +20,7 @@ One step of :class:`PPOTrainer`:
    ``use_score_norm``) and clipping (``score_clip``);
 5. per-token rewards ``−kl_coef·KL`` (k1 or k3) with the score at the last
    real token, optional reward whitening, GAE (γ, λ), returns = advantages +
-   values, whitened advantages (:mod:`storyrl.training.rl.ppo_math`);
+   values, whitened advantages (:mod:`storyrl.training.rl.ppo.math`);
 6. ``num_ppo_epochs`` passes over shuffled minibatches of stories, each
    accumulated over ``gradient_accumulation_steps`` micro-batches: clipped
    policy loss + ``vf_coef`` × clipped value loss, gradient clipping, AdamW,
@@ -59,7 +59,7 @@ Differences from TRL's removed PPO trainers (v0.11 ``PPOTrainer`` and
   on the token after, the first padding position, and trained a value there);
   the approximate KL and clip fractions are means over real tokens only;
 * ``per_device_train_batch_size`` counts prompts per rollout (TRL's was the
-  micro-batch; see :mod:`storyrl.training.rl.ppo_config`);
+  micro-batch; see :mod:`storyrl.training.rl.ppo.config`);
 * v0.11's adaptive KL controller, score scaling/clipping and early stopping
   are back, together with the later trainer's k1/k3 estimators, stop-token
   truncation and missing-EOS penalty;
@@ -72,11 +72,11 @@ Output directory: ``checkpoint-<step>/`` (accelerate's state +
 step), ``samples.jsonl`` (its sample stories with their rewards; both files as
 GRPO/RLOO write them) and the trackers' files.
 
-Modules: options :mod:`~storyrl.training.rl.ppo_config`, arithmetic
-:mod:`~storyrl.training.rl.ppo_math`, sampling and forwards per policy kind
-:mod:`~storyrl.training.rl.rollout`, critic :mod:`~storyrl.training.rl.value`,
-reward calls :mod:`~storyrl.training.rl.ppo_rewards`, checkpoints
-:mod:`~storyrl.training.rl.ppo_checkpoints`; this one holds the loop.
+Modules: options :mod:`~storyrl.training.rl.ppo.config`, arithmetic
+:mod:`~storyrl.training.rl.ppo.math`, sampling and forwards per policy kind
+:mod:`~storyrl.training.rl.ppo.rollout`, critic :mod:`~storyrl.training.rl.ppo.value`,
+reward calls :mod:`~storyrl.training.rl.ppo.rewards`, checkpoints
+:mod:`~storyrl.training.rl.ppo.checkpoints`; this one holds the loop.
 """
 
 from __future__ import annotations
@@ -98,17 +98,23 @@ import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate/t
 import torch
 
 from storyrl.training.rl import monitor
-from storyrl.training.rl import ppo_math as pm
-from storyrl.training.rl.ppo_checkpoints import (
+from storyrl.training.rl.ppo import math as ppo_math
+from storyrl.training.rl.ppo.checkpoints import (
     TRAINER_STATE,
     find_latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
-from storyrl.training.rl.ppo_config import PPOConfig
-from storyrl.training.rl.ppo_rewards import call_rewards, combine_scores, reward_name
-from storyrl.training.rl.rollout import Rollout, make_adapter, response_logits
-from storyrl.training.rl.value import PolicyAndValue, ValueHead, check_value_model, load_value_model, save_value_head
+from storyrl.training.rl.ppo.config import PPOConfig
+from storyrl.training.rl.ppo.rewards import call_rewards, combine_scores, reward_name
+from storyrl.training.rl.ppo.rollout import Rollout, make_adapter, response_logits
+from storyrl.training.rl.ppo.value import (
+    PolicyAndValue,
+    ValueHead,
+    check_value_model,
+    load_value_model,
+    save_value_head,
+)
 from storyrl.training.runs import RunFailedError
 
 __all__ = ["PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
@@ -265,9 +271,9 @@ class PPOTrainer:
         # accelerate's custom_checkpoint_*.pkl, which resume would unpickle.
         self.model, self.optimizer = self.accelerator.prepare(wrapper, optimizer)
 
-        self.kl_ctl = (pm.AdaptiveKLController(args.kl_coef, args.target, args.horizon) if args.adaptive_kl
-                       else pm.FixedKLController(args.kl_coef))
-        self.moments = pm.RunningMoments()
+        self.kl_ctl = (ppo_math.AdaptiveKLController(args.kl_coef, args.target, args.horizon) if args.adaptive_kl
+                       else ppo_math.FixedKLController(args.kl_coef))
+        self.moments = ppo_math.RunningMoments()
         self.step = 0
         self.history: list[dict] = []
         self._orders: dict[int, list[int]] = {}
@@ -368,9 +374,9 @@ class PPOTrainer:
         if args.use_score_scaling:
             self.moments.update(self._gather_valid(scores, valid))
             mean = self.moments.mean if args.use_score_norm else None
-            scores = pm.scale_scores(scores, mean=mean, std=self.moments.std, clip=args.score_clip)
+            scores = ppo_math.scale_scores(scores, mean=mean, std=self.moments.std, clip=args.score_clip)
         elif args.score_clip is not None:
-            scores = pm.scale_scores(scores, clip=args.score_clip)
+            scores = ppo_math.scale_scores(scores, clip=args.score_clip)
         return torch.where(valid, scores, 0.0)
 
     def _gather_valid(self, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -389,13 +395,13 @@ class PPOTrainer:
         mask = rollout.response_mask()
         train_mask = mask & valid[rollout.story].unsqueeze(1)
         kl_coef = self.kl_ctl.value
-        kl = pm.kl_per_token(old_logprobs, ref_logprobs, args.kl_estimator) * mask
-        rewards, non_score = pm.token_rewards(kl, scores[rollout.story], mask, kl_coef)
+        kl = ppo_math.kl_per_token(old_logprobs, ref_logprobs, args.kl_estimator) * mask
+        rewards, non_score = ppo_math.token_rewards(kl, scores[rollout.story], mask, kl_coef)
         if args.whiten_rewards:
-            rewards = pm.masked_whiten(rewards, train_mask, shift_mean=False) * mask
-        advantages, returns = pm.gae(rewards, values, mask, args.gamma, args.lam)
+            rewards = ppo_math.masked_whiten(rewards, train_mask, shift_mean=False) * mask
+        advantages, returns = ppo_math.gae(rewards, values, mask, args.gamma, args.lam)
         if args.whiten_advantages:
-            advantages = pm.masked_whiten(advantages, train_mask)
+            advantages = ppo_math.masked_whiten(advantages, train_mask)
         batch = _Batch(rollout, old_logprobs, values, advantages * train_mask, returns, train_mask)
         return batch, kl, non_score, kl_coef
 
@@ -432,17 +438,17 @@ class PPOTrainer:
                         with acc.autocast():
                             logits, vpred = self.model(inputs, Q, T)
                         new_logprobs = self._logprobs(logits, rollout.response[seqs])
-                        pg_loss, pg_clipfrac, approx_kl = pm.policy_loss(
+                        pg_loss, pg_clipfrac, approx_kl = ppo_math.policy_loss(
                             new_logprobs, batch.old_logprobs[seqs], batch.advantages[seqs], tm, args.cliprange)
-                        vf_loss, vf_clipfrac = pm.value_loss(vpred, batch.values[seqs], batch.returns[seqs], tm,
+                        vf_loss, vf_clipfrac = ppo_math.value_loss(vpred, batch.values[seqs], batch.returns[seqs], tm,
                                                              args.cliprange_value)
                         acc.backward((pg_loss + args.vf_coef * vf_loss) / gas)
                     with torch.no_grad():
                         entropy = entropy_from_logits(self._tempered(logits))
-                        for key, value in (("policy/entropy", pm.masked_mean(entropy, tm)),
+                        for key, value in (("policy/entropy", ppo_math.masked_mean(entropy, tm)),
                                            ("policy/approxkl", approx_kl), ("policy/clipfrac", pg_clipfrac),
                                            ("loss/policy", pg_loss), ("loss/value", vf_loss),
-                                           ("val/clipfrac", vf_clipfrac), ("val/vpred", pm.masked_mean(vpred, tm))):
+                                           ("val/clipfrac", vf_clipfrac), ("val/vpred", ppo_math.masked_mean(vpred, tm))):
                             stats[key].append(float(value))
                     kls.append(float(approx_kl))
                 minibatch_kl = sum(kls) / len(kls)

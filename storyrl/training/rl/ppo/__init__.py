@@ -1,0 +1,33 @@
+"""storyrl's PPO trainer (TRL 1.16 has none), one module per concern as TRL
+pairs ``<algo>_config`` / ``<algo>_trainer``:
+
+* :mod:`~storyrl.training.rl.ppo.config`: :class:`PPOConfig` (import-light);
+* :mod:`~storyrl.training.rl.ppo.trainer`: :class:`PPOTrainer`, the loop;
+* :mod:`~storyrl.training.rl.ppo.math`: the arithmetic, pure functions;
+* :mod:`~storyrl.training.rl.ppo.rollout`: sampling and forwards per policy kind;
+* :mod:`~storyrl.training.rl.ppo.value`: the critic;
+* :mod:`~storyrl.training.rl.ppo.rewards`: the reward calls;
+* :mod:`~storyrl.training.rl.ppo.checkpoints`: ``checkpoint-<step>/``.
+
+The trainer's names load on first use, so reading the config (``storyrl
+--help``, the RL config) imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storyrl.training.rl.ppo.config import PPOConfig
+
+__all__ = ["PPOConfig", "PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
+
+_LAZY = {"PPOResult": "trainer", "PPOTrainer": "trainer", "TRAINER_STATE": "checkpoints",
+         "find_latest_checkpoint": "checkpoints"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
