@@ -394,6 +394,23 @@ def test_a_reward_that_raises_for_one_completion_masks_it(tmp_path):
         assert math.isfinite(record["loss/policy"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fp16 fallback is for machines without CUDA")
+def test_mixed_precision_fp16_without_cuda_trains_in_fp32_and_says_so(tmp_path, caplog):
+    """As storyrl.training.loop's trainers (test_training_loop.py): one accelerator for every trainer."""
+    import logging
+
+    from storyrl.training.rl.ppo import PPOTrainer
+
+    tokenizer = tiny_models.chat_tokenizer(CORPUS)
+    with caplog.at_level(logging.WARNING, logger="storyrl.training"):
+        trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), WordCount(), ppo_args(tmp_path, mixed_precision="fp16"),
+                             text_dataset(), processing_class=tokenizer)
+    assert trainer.accelerator.mixed_precision == "no"
+    assert "fp16 needs CUDA; training in fp32" in caplog.text
+    result = trainer.train(progress=False)
+    assert result.steps == 2 and all(math.isfinite(r["loss/policy"]) for r in result.history)
+
+
 def test_a_reward_that_fails_for_every_completion_is_an_error(tmp_path):
     from storyrl.training.rl.ppo import PPOTrainer
 

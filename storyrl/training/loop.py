@@ -41,6 +41,7 @@ import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate i
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
+from storyrl.training.accelerators import make_accelerator
 from storyrl.training.checkpoints import (
     TRAINER_STATE,
     find_checkpoint,
@@ -232,7 +233,7 @@ def fit(
     save_fn = save_fn or _default_save
     output_dir = Path(config.output_dir)
 
-    accelerator = _make_accelerator(config)
+    accelerator = make_accelerator(config.mixed_precision)
     main = accelerator.is_main_process
     show = progress and accelerator.is_local_main_process
 
@@ -512,26 +513,3 @@ def _step_with_warmup(optimizer, step: int, warmup_steps: int) -> None:
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, scheduled):
         group["lr"] = lr
-
-
-def _make_accelerator(config: TrainConfig):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    mixed_precision = config.mixed_precision
-    if mixed_precision == "fp16" and not torch.cuda.is_available():
-        # accelerate accepts it on CPU but has no fp16 autocast there: say so.
-        logger.warning("mixed_precision fp16 needs CUDA; training in fp32")
-        mixed_precision = "no"
-    kwargs = dict(mixed_precision=mixed_precision, cpu=not torch.cuda.is_available())
-    try:
-        return Accelerator(**kwargs)
-    except ValueError as exc:
-        if "already been initialized" not in str(exc) or not hasattr(AcceleratorState, "_reset_state"):
-            raise
-    # An earlier Accelerator in this process (e.g. a previous fit) used other
-    # settings. Only the accelerator-level state is reset; the process-level
-    # one (devices, process group) stays.
-    logger.warning("re-initialising accelerate's state for mixed_precision=%r", mixed_precision)
-    AcceleratorState._reset_state()
-    return Accelerator(**kwargs)

@@ -97,6 +97,7 @@ import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate/t
 
 import torch
 
+from storyrl.training.accelerators import make_accelerator
 from storyrl.training.rl import monitor
 from storyrl.training.rl.ppo import math as ppo_math
 from storyrl.training.rl.ppo.checkpoints import (
@@ -151,23 +152,6 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
-def _make_accelerator(args: PPOConfig, trackers):
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    kwargs = dict(mixed_precision=args.mixed_precision, cpu=not torch.cuda.is_available(),
-                  log_with=trackers or None, project_dir=args.output_dir)
-    try:
-        return Accelerator(**kwargs)
-    except ValueError as exc:
-        if "already been initialized" not in str(exc) or not hasattr(AcceleratorState, "_reset_state"):
-            raise
-    # An earlier Accelerator in this process used other settings (tests,
-    # notebooks): reset the accelerator-level state only.
-    AcceleratorState._reset_state()
-    return Accelerator(**kwargs)
-
-
 class PPOTrainer:
     """PPO for story generators (see the module docs).
 
@@ -215,7 +199,9 @@ class PPOTrainer:
             raise ValueError("PPOTrainer: the training dataset is empty")
         self.train_dataset = train_dataset
 
-        self.accelerator = _make_accelerator(args, args.trackers if trackers is None else list(trackers))
+        trackers = args.trackers if trackers is None else list(trackers)
+        self.accelerator = make_accelerator(args.mixed_precision, log_with=trackers or None,
+                                            project_dir=args.output_dir)
         device = self.accelerator.device
         set_seed(args.seed)
 
