@@ -6,6 +6,11 @@ swap behind both (``*.tmp`` → final, the previous copy kept as ``*.old`` until
 the new one is in place), ``history.jsonl``, the check of a checkpoint's
 settings against the resuming run's, and the global RNG states a mid-epoch
 resume restores. The directory layout is described in :mod:`storyrl.training.loop`.
+
+Writing a checkpoint (:func:`write_checkpoint`) and resuming from one
+(:func:`load_checkpoint`, :func:`scheduler_state`) are shared with the PPO
+trainer, which keeps ``checkpoint-<step>/`` directories instead of ``last/``
+(:mod:`storyrl.training.rl.ppo.checkpoints`).
 """
 
 from __future__ import annotations
@@ -15,15 +20,14 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from storyrl.training.config import TrainConfig
-
 __all__ = [
+    "RESUME_MAY_CHANGE",
     "TRAINER_STATE",
     "find_checkpoint",
     "load_checkpoint",
@@ -34,15 +38,16 @@ __all__ = [
     "scheduler_state",
     "set_rng_state",
     "swap_in",
+    "write_checkpoint",
     "write_history",
 ]
 
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE = "trainer_state.json"
-# Settings that may legitimately change when resuming (train longer, stop
-# sooner, different logging); anything else differing gets a warning.
-_RESUME_MAY_CHANGE = {"epochs", "max_steps", "patience", "log_every", "num_workers", "output_dir"}
+#: fit's settings that may legitimately change when resuming (train longer,
+#: stop sooner, different logging); anything else differing gets a warning.
+RESUME_MAY_CHANGE = {"epochs", "max_steps", "patience", "log_every", "num_workers", "output_dir"}
 
 
 def swap_in(tmp: Path, final: Path) -> None:
@@ -95,10 +100,11 @@ def find_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
-def save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:
-    """accelerate's full state (model, optimizer, scheduler, RNG, grad scaler)
-    plus the loop's own, written to last.tmp and then swapped in."""
-    tmp = output_dir / "last.tmp"
+def write_checkpoint(accelerator, tmp: Path, state: dict[str, Any]) -> None:
+    """accelerate's full state (model, optimizer, RNG, grad scaler) and the
+    trainer's own (``trainer_state.json``) into ``tmp``, a directory the
+    caller then moves into place on the main process (every process takes
+    part; a stale ``tmp`` from a crash is removed first)."""
     if accelerator.is_main_process and tmp.exists():
         shutil.rmtree(tmp)
     accelerator.wait_for_everyone()
@@ -106,22 +112,26 @@ def save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
-        swap_in(tmp, output_dir / "last")
+
+
+def save_checkpoint(accelerator, output_dir: Path, state: dict) -> None:
+    """The loop's resume checkpoint: written to last.tmp, then swapped in as last/."""
+    write_checkpoint(accelerator, output_dir / "last.tmp", state)
+    if accelerator.is_main_process:
+        swap_in(output_dir / "last.tmp", output_dir / "last")
     accelerator.wait_for_everyone()
 
 
-def load_checkpoint(accelerator, checkpoint: Path, config: TrainConfig) -> dict[str, Any]:
-    """Restore accelerate's state from ``checkpoint`` and return the loop's
-    own (``trainer_state.json``), warning about settings that differ from the
-    checkpoint's other than those a resume may change."""
+def load_checkpoint(accelerator, checkpoint: Path, config: dict[str, Any],
+                    may_change: Collection[str] = RESUME_MAY_CHANGE) -> dict[str, Any]:
+    """Restore accelerate's state from ``checkpoint`` and return the
+    trainer's own (``trainer_state.json``), warning about settings of
+    ``config`` (a config's ``to_dict()``) that differ from the checkpoint's
+    other than those a resume may change (``may_change``)."""
     state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-    state["scheduler"] = scheduler_state(accelerator, checkpoint, state)
+    state["scheduler"] = scheduler_state(accelerator, checkpoint, state)  # never unpickled
     accelerator.load_state(str(checkpoint))
-    changed = sorted(
-        k
-        for k, v in state.get("config", {}).items()
-        if k not in _RESUME_MAY_CHANGE and config.to_dict().get(k, v) != v
-    )
+    changed = sorted(k for k, v in state.get("config", {}).items() if k not in may_change and config.get(k, v) != v)
     if changed:
         logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
     return state

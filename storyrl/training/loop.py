@@ -298,7 +298,7 @@ def fit(
     resume_seconds = 0.0
     resume_rng: dict[str, Any] | None = None
     if checkpoint is not None:
-        state = load_checkpoint(accelerator, checkpoint, config)
+        state = load_checkpoint(accelerator, checkpoint, config.to_dict())
         scheduler.load_state_dict(state["scheduler"])
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from storyrl.training.rl.ppo.config import PPOConfig
 
-__all__ = ["PPOConfig", "PPOResult", "PPOTrainer", "TRAINER_STATE", "find_latest_checkpoint"]
+__all__ = ["TRAINER_STATE", "PPOConfig", "PPOResult", "PPOTrainer", "find_latest_checkpoint"]
 
 _LAZY = {"PPOResult": "trainer", "PPOTrainer": "trainer", "TRAINER_STATE": "checkpoints",
          "find_latest_checkpoint": "checkpoints"}

@@ -1,29 +1,26 @@
 """PPO checkpoints: ``<output_dir>/checkpoint-<step>/`` holds accelerate's
-state (policy and critic, optimizer, learning-rate schedule, every process's
-RNG) and ``trainer_state.json`` (step, KL coefficient, running score
-moments, learning-rate schedule, history, config). Each is written aside (``.tmp``) and renamed
-when complete, so a crash never leaves a half-written one; resume takes the
-newest complete one."""
+state (policy and critic, optimizer, every process's RNG) and
+``trainer_state.json`` (step, KL coefficient, running score moments,
+learning-rate schedule, history, config). Each is written aside (``.tmp``)
+and renamed when complete, so a crash never leaves a half-written one;
+resume takes the newest complete one. Writing and reading a checkpoint are
+:mod:`storyrl.training.checkpoints`' (shared with every trainer); this
+module holds the ``checkpoint-<step>`` layout."""
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from storyrl.training.checkpoints import scheduler_state
+from storyrl.training.checkpoints import TRAINER_STATE, write_checkpoint
 
-__all__ = ["TRAINER_STATE", "find_latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["RESUME_MAY_CHANGE", "TRAINER_STATE", "find_latest_checkpoint", "save_checkpoint"]
 
-logger = logging.getLogger(__name__)
-
-TRAINER_STATE = "trainer_state.json"
-# Options a resumed run may change without a warning.
-RESUME_MAY_CHANGE = {"max_steps", "total_episodes", "num_train_epochs", "save_steps", "save_total_limit",
-                     "logging_steps", "num_sample_stories", "report_to", "output_dir"}
+#: PPOConfig options a resumed run may change without a warning.
+RESUME_MAY_CHANGE = frozenset({"max_steps", "total_episodes", "num_train_epochs", "save_steps", "save_total_limit",
+                               "logging_steps", "num_sample_stories", "report_to", "output_dir"})
 
 
 def _step_of(path: Path) -> int | None:
@@ -43,13 +40,8 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
     """Write ``checkpoint-<step>`` (every process takes part); keep only the
     newest ``keep`` checkpoints."""
     final, tmp = output_dir / f"checkpoint-{step}", output_dir / f"checkpoint-{step}.tmp"
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    write_checkpoint(accelerator, tmp, state)
     if accelerator.is_main_process:
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=1), encoding="utf-8")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -59,18 +51,3 @@ def save_checkpoint(accelerator, output_dir: Path, step: int, state: dict[str, A
                 shutil.rmtree(path, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
-
-
-def load_checkpoint(accelerator, checkpoint: Path, config: dict[str, Any]) -> dict[str, Any]:
-    """Restore accelerate's state and return ``trainer_state.json``, warning
-    about settings that differ from the checkpoint's (other than those a
-    resume may change)."""
-    state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
-    state["scheduler"] = scheduler_state(accelerator, checkpoint, state)  # never unpickled
-    accelerator.load_state(str(checkpoint))
-    changed = sorted(k for k, v in state.get("config", {}).items()
-                     if k not in RESUME_MAY_CHANGE and config.get(k, v) != v)
-    if changed:
-        logger.warning("resuming with changed settings (the checkpoint used other values): %s", ", ".join(changed))
-    logger.info("resuming from %s (step %d)", checkpoint, state["step"])
-    return state

@@ -100,10 +100,11 @@ import torch
 from storyrl.training.accelerators import make_accelerator
 from storyrl.training.rl import monitor
 from storyrl.training.rl.ppo import math as ppo_math
+from storyrl.training.checkpoints import load_checkpoint
 from storyrl.training.rl.ppo.checkpoints import (
+    RESUME_MAY_CHANGE,
     TRAINER_STATE,
     find_latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
 from storyrl.training.rl.ppo.config import PPOConfig
@@ -546,7 +547,8 @@ class PPOTrainer:
             if checkpoint is None:
                 raise FileNotFoundError(f"resume=True but {self.output_dir} holds no checkpoint-<step>/ "
                                         f"with {TRAINER_STATE}")
-            state = load_checkpoint(acc, checkpoint, args.to_dict())  # also the RNG of the next step
+            state = load_checkpoint(acc, checkpoint, args.to_dict(), RESUME_MAY_CHANGE)  # and the next step's RNG
+            logger.info("resuming from %s (step %d)", checkpoint, state["step"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
             self.kl_ctl.value = float(state["kl_coef"])
