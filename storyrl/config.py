@@ -36,11 +36,63 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
-__all__ = ["Config", "ConfigFileError", "Configurable", "check_type", "load_yaml", "option", "option_info"]
+__all__ = ["Config", "ConfigError", "ConfigFileError", "ConfigTypeError", "Configurable", "check_type", "load_yaml",
+           "option", "option_info"]
 
 
 class ConfigFileError(ValueError):
     """A config file that cannot be read or parsed; the message names the file."""
+
+
+class ConfigError(ValueError):
+    """A bad option value, built once where it is found. Its parts are kept
+    (``source``: the file, ``owner``: whose options, e.g. a config class or
+    ``reward 'bleu'``, ``option``, ``message``) so that a caller names the
+    owner as users know it with :meth:`named` instead of rewriting the text;
+    ``str()`` is the one line ``source: owner: message``."""
+
+    def __init__(self, message: str, *, owner: str | None = None, option: str | None = None,
+                 source: str | None = None) -> None:
+        self.message, self.owner, self.option, self.source = message, owner, option, source
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        return ": ".join(part for part in (self.source, self.owner, self.message) if part)
+
+    def __reduce__(self):  # keyword fields survive pickling (errors cross processes)
+        return _rebuild_config_error, (type(self), self.message, self.owner, self.option, self.source)
+
+    @classmethod
+    def of(cls, exc: Exception) -> ConfigError:
+        """``exc`` as a config error (TypeError stays a TypeError)."""
+        if isinstance(exc, ConfigError):
+            return exc
+        return (ConfigTypeError if isinstance(exc, TypeError) else ConfigError)(str(exc))
+
+    def named(self, owner: str, instead_of: str | None = None, *, source: str | None = None) -> ConfigError:
+        """The same error said of ``owner``: it replaces the owner
+        ``instead_of`` (e.g. the config class users never see); any other
+        owner stays in the message. ``source`` (a file) is added."""
+        message = self.message
+        if self.owner and self.owner != instead_of:
+            message = f"{self.owner}: {message}"
+        return type(self)(message, owner=owner, option=self.option, source=source or self.source)
+
+    def from_source(self, source: str) -> ConfigError:
+        """The same error, read from the file ``source``; a ValueError (the
+        file is at fault, whatever the kind of problem)."""
+        if self.source:  # read through another file: both are named
+            return ConfigError(str(self), option=self.option, source=source)
+        return ConfigError(self.message, owner=self.owner, option=self.option, source=source)
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An option of the wrong type, an unknown or a missing one: a
+    TypeError, as Python's for a bad keyword argument, and a ConfigError."""
+
+
+def _rebuild_config_error(cls, message, owner, option, source):
+    return cls(message, owner=owner, option=option, source=source)
 
 
 _SEQUENCES = {list, tuple, cabc.Sequence, cabc.MutableSequence}
@@ -306,12 +358,12 @@ class Config:
             try:
                 value = check_type(getattr(self, info.name), info.type)
             except TypeError as exc:
-                raise TypeError(f"{label}: {word} {info.name!r}: {exc}") from None
+                raise ConfigTypeError(f"{word} {info.name!r}: {exc}", owner=label, option=info.name) from None
             object.__setattr__(self, info.name, value)
         problems = [p for info in option_info(type(self)) if (p := _bound_problem(info, getattr(self, info.name)))]
         problems += self._problems()
         if problems:
-            raise ValueError(f"{label}: " + "; ".join(problems))
+            raise ConfigError("; ".join(problems), owner=label)
 
     def _problems(self) -> list[str]:
         """Checks across options, for subclasses: one message per problem."""
@@ -333,7 +385,7 @@ class Config:
         except (TypeError, ValueError) as exc:
             if source is None:
                 raise
-            raise ValueError(f"{source}: {exc}") from None
+            raise ConfigError.of(exc).from_source(source) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, **overrides: Any):
@@ -369,13 +421,12 @@ def _known_options(cls: type, data: Mapping[str, Any], overrides: Mapping[str, A
             if mapping is overrides and value is None:
                 continue
             if key not in valid:
-                raise TypeError(
-                    f"{label}: bad configuration: unknown {word} {key!r}; valid {word}s: {', '.join(valid)}"
-                )
+                raise ConfigTypeError(f"bad configuration: unknown {word} {key!r}; valid {word}s: {', '.join(valid)}",
+                                      owner=label, option=key)
             values[key] = value
     missing = [i.name for i in infos if i.required and i.name not in values]
     if missing:
-        raise TypeError(f"{label}: missing required {word}(s) {', '.join(map(repr, missing))}")
+        raise ConfigTypeError(f"missing required {word}(s) {', '.join(map(repr, missing))}", owner=label)
     return values
 
 
@@ -437,11 +488,8 @@ class Configurable:
                 config = cls.config_class.from_mapping(options)
             except (TypeError, ValueError) as exc:
                 # Name the component, not its config class, as users call it.
-                prefix = f"{cls.config_class._label()}: "
-                message = str(exc)
-                message = message[len(prefix):] if message.startswith(prefix) else message
-                error = TypeError if isinstance(exc, TypeError) else ValueError
-                raise error(f"{self.kind} {self.name or cls.__name__!r}: {message}") from None
+                owner = f"{self.kind} {self.name or cls.__name__!r}"
+                raise ConfigError.of(exc).named(owner, cls.config_class._label()) from None
         elif options or not isinstance(config, cls.config_class):
             raise TypeError(
                 f"{self.kind} {self.name!r}: give a {cls.config_class.__name__} or keyword options, "

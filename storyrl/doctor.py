@@ -296,7 +296,7 @@ def reward_requirements(spec: Any, reqs: Requirements, *, required: bool = True,
     """Add the pieces of reward ``spec`` (a registered name, a reward config
     file or an inline mapping) to ``reqs``. TypeError / ValueError naming the
     file or reward at fault when the spec is invalid."""
-    from storyrl.rewards.composite import resolve_reward
+    from storyrl.rewards import resolve_reward
 
     cls, config = resolve_reward(spec, options, expect=expect)
     if _is_composite(cls):

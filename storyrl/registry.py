@@ -39,27 +39,37 @@ class Registry(Generic[T]):
         self._descriptions: dict[str, str] = {}
         self._aliases: dict[str, str] = {}
 
-    def add(self, name: str, target: T | str, description: str | None = None, aliases: tuple[str, ...] = ()) -> None:
+    def add(self, name: str, target: T | str, description: str | None = None, aliases: tuple[str, ...] = (),
+            *, replace: bool = False) -> None:
         """Register ``target`` (an object or a lazy ``"module:attr"`` path)
         under ``name``; ``description`` defaults to the first line of its
-        docstring (required for lazy targets, which are not imported here)."""
+        docstring (required for lazy targets, which are not imported here).
+        A name or alias already taken is a ValueError unless ``replace``:
+        a second component of one name would silently win."""
         if not name:
             raise ValueError(f"a registered {self.kind} needs a name")
+        if not replace:
+            for key in (name, *aliases):
+                if key in self:
+                    raise ValueError(f"{self.kind} {key!r} is already registered (as {self.resolve(key)!r}); "
+                                     "choose another name, or pass replace=True to replace it")
         if description is None:
             if isinstance(target, str):
                 raise ValueError(f"{self.kind} {name!r}: a lazily imported target needs a description")
             description = _first_line(target.__doc__)
+        self._aliases.pop(name, None)  # (a replaced alias would shadow the new entry)
         self._entries[name] = target
         self._descriptions[name] = description
         for alias in aliases:
             self._aliases[alias] = name
 
-    def register(self, name: str | None = None, *, description: str | None = None) -> Callable[[T], T]:
+    def register(self, name: str | None = None, *, description: str | None = None,
+                 replace: bool = False) -> Callable[[T], T]:
         """Class decorator: register under ``name`` (default: the class's
-        ``name`` attribute)."""
+        ``name`` attribute); see :meth:`add` for ``replace``."""
 
         def decorator(target: T) -> T:
-            self.add(name or getattr(target, "name", ""), target, description)
+            self.add(name or getattr(target, "name", ""), target, description, replace=replace)
             return target
 
         return decorator

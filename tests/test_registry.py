@@ -102,3 +102,36 @@ def test_trainer_and_reward_aliases_resolve():
 
     assert create_reward("rovist-vg").name == "rovist_vg" and REWARDS.resolve("rovist-vg") == "rovist_vg"
     assert TRAINERS.resolve("rovist-vg") == "rovist_vg" and "rovist-vg" not in TRAINERS.names()
+
+
+def test_add_refuses_to_overwrite_a_name_or_alias_unless_replace():
+    registry = Registry("widget")
+    first, second = type("First", (), {}), type("Second", (), {})
+    registry.add("thing", first, "First.", aliases=("the-thing",))
+    for name, aliases in (("thing", ()), ("the-thing", ()), ("other", ("thing",)), ("other", ("the-thing",))):
+        with pytest.raises(ValueError, match="widget '.*' is already registered .*replace=True"):
+            registry.add(name, second, "Second.", aliases=aliases)
+    assert registry.get("thing") is first and "other" not in registry  # nothing half-added
+    registry.add("thing", second, "Second.", replace=True)
+    assert registry.get("thing") is second and registry.describe("thing") == "Second."
+    registry.add("the-thing", first, "First again.", replace=True)  # an alias replaced by a name of its own
+    assert registry.get("the-thing") is first and registry.get("thing") is second
+
+
+def test_register_decorator_refuses_a_taken_name():
+    registry = Registry("widget")
+    registry.register()(type("Gadget", (), {"name": "gadget", "__doc__": "One."}))
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register()(type("Gadget2", (), {"name": "gadget", "__doc__": "Two."}))
+    replacement = registry.register(replace=True)(type("Gadget3", (), {"name": "gadget", "__doc__": "Three."}))
+    assert registry.get("gadget") is replacement
+
+
+@pytest.mark.parametrize("package, registry_name", [("storyrl.rewards", "REWARDS"),
+                                                    ("storyrl.generators", "GENERATORS")])
+def test_every_registry_key_is_its_class_name(package, registry_name):
+    import importlib
+
+    registry = getattr(importlib.import_module(package), registry_name)
+    for key in registry.names():
+        assert registry.get(key).name == key, (registry_name, key)

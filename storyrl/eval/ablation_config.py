@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storyrl.config import Config, load_yaml, option
+from storyrl.config import Config, ConfigError, load_yaml, option
 
 __all__ = ["HUMAN", "AblationConfig", "AblationEval"]
 
@@ -100,9 +100,7 @@ class AblationConfig(Config):
             try:
                 self.eval = AblationEval.from_mapping(self.eval)
             except (TypeError, ValueError) as exc:
-                prefix = f"{AblationEval._label()}: "
-                message = str(exc)[len(prefix):] if str(exc).startswith(prefix) else str(exc)
-                raise type(exc)(f"eval: {message}") from None
+                raise ConfigError.of(exc).named("eval", AblationEval._label()) from None
         super().__post_init__()
 
     def _problems(self) -> list[str]:

@@ -272,11 +272,8 @@ def _generated(cell: Cell, ids: Sequence[str]) -> bool:
         return False  # killed between the sidecar and the story file: generate_to_file resumes it
     cls = GENERATORS.get(cell.generator)
     now = {"generator": cls.name or cell.generator, "options": _generator_config(cell).to_dict()}
-    try:
-        check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()))
-    except ValueError as exc:
-        reason = str(exc).split("; use another output file")[0]
-        raise ValueError(f"{reason}; use another output_dir, or delete {cell.directory} to redo the cell") from None
+    check_same_options(sidecar_path(cell.stories), meta, now, getattr(cls.config_class, "runtime_options", ()),
+                       remedy=f"use another output_dir, or delete {cell.directory} to redo the cell")
     stories = json.loads(text)
     return all(sid in stories or sid in meta.get("failures", {}) for sid in ids)
 

@@ -96,15 +96,17 @@ _SIDECAR_TYPES = {"generator": str, "options": dict, "inputs": dict, "failures":
                   "stories_sha256": str, "complete": bool}
 
 
-def check_sidecar(meta_path: Path, meta: Any) -> dict:
+def check_sidecar(meta_path: Path, meta: Any, remedy: str | None = None) -> dict:
     """``meta`` if it has the shape of a sidecar storyrl writes, else a
-    one-line ValueError naming ``meta_path``."""
+    one-line ValueError naming ``meta_path`` (ending with ``remedy``, what
+    to do, when given)."""
+    then = f"; {remedy}" if remedy else ""
     if not isinstance(meta, dict):
-        raise ValueError(f"{meta_path}: not a sidecar storyrl wrote (expected a JSON object)")
+        raise ValueError(f"{meta_path}: not a sidecar storyrl wrote (expected a JSON object){then}")
     for key, kind in _SIDECAR_TYPES.items():
         if key in meta and not isinstance(meta[key], kind):
             raise ValueError(f"{meta_path}: not a sidecar storyrl wrote ({key!r} must be a JSON "
-                             f"{'object' if kind is dict else kind.__name__}, got {_json_type(meta[key])})")
+                             f"{'object' if kind is dict else kind.__name__}, got {_json_type(meta[key])}){then}")
     return meta
 
 
@@ -130,18 +132,22 @@ def check_same_data(meta_path: Path, before: dict, inputs: dict) -> None:
                          f"use the same data, another output file or --overwrite")
 
 
-def check_same_options(meta_path: Path, before: dict, now: dict, runtime: Sequence[str]) -> None:
+def check_same_options(meta_path: Path, before: dict, now: dict, runtime: Sequence[str],
+                       remedy: str | None = None) -> None:
     """ValueError unless the sidecar ``before`` was written by the same
-    generator with the same options as ``now`` (``runtime`` ones may differ)."""
-    check_sidecar(meta_path, before)
+    generator with the same options as ``now`` (``runtime`` ones may differ).
+    ``remedy``: what the error tells the user to do (default: another output
+    file or --overwrite, and nothing for a malformed sidecar)."""
+    check_sidecar(meta_path, before, remedy)
+    remedy = remedy or "use another output file or --overwrite"
     if before.get("generator") != now["generator"]:
         raise ValueError(f"{meta_path}: written by generator {before.get('generator')!r}, this run is "
-                         f"{now['generator']!r}; use another output file or --overwrite")
+                         f"{now['generator']!r}; {remedy}")
     old, new = before.get("options", {}), now["options"]
     for key in sorted(set(old) | set(new)):
         if key not in runtime and old.get(key) != new.get(key):
             raise ValueError(f"{meta_path}: the stories were generated with {key}={old.get(key)!r}, this run has "
-                             f"{key}={new.get(key)!r}; use another output file or --overwrite")
+                             f"{key}={new.get(key)!r}; {remedy}")
 
 
 def generate_to_file(

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.rewards import Reward, load_reward_config
-from storyrl.rewards.base import CONTEXT_KEYS  # re-exported: the keys a label may carry
+from storyrl.rewards.base import CONTEXT_KEYS, story_context  # CONTEXT_KEYS re-exported: the keys a label may carry
 from storyrl.rewards.concurrent import is_async_reward, run_sync
 
 __all__ = [
@@ -129,11 +129,7 @@ def label_context(label: Any, where: str = "label") -> dict[str, Any]:
         elif not isinstance(value, str):
             raise TypeError(f"{where}: {key!r} must be a string, got {_describe(value)}")
         context[key] = value
-    if "story_images" in context:
-        # Per story, as Reward.__call__ does per column: a story's own
-        # per-position images win over a (VLM policy's) images entry.
-        context["images"] = context.pop("story_images")
-    return context
+    return story_context(context)  # per story, as the TRL call does per column
 
 
 def context_columns(contexts: Sequence[Mapping[str, Any]]) -> dict[str, list]:

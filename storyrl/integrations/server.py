@@ -64,7 +64,7 @@ import storyrl.integrations.scoring as _core
 from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher, _positive_finite
 from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
 from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
-from storyrl.rewards.base import _one_line
+from storyrl.rewards.base import one_line
 
 __all__ = ["Limits", "create_app", "run_in_thread", "serve"]
 
@@ -185,7 +185,7 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
         except CallTimeout as exc:
             return JSONResponse({"detail": f"reward {reward.name!r}: {exc} (--timeout-s)"}, status_code=504)
         except Exception as exc:
-            return JSONResponse({"detail": f"reward {reward.name!r} failed: {_one_line(exc)}"}, status_code=500)
+            return JSONResponse({"detail": f"reward {reward.name!r} failed: {one_line(exc)}"}, status_code=500)
         scored = _spread(part, keep, len(stories))
         batcher.stats["fallback"] += int(scored.unscorable.sum())
         return remote_reward_response(scored, fallback)

@@ -1,4 +1,6 @@
-"""Rewards: ``create_reward("repetition", **options)``.
+"""Rewards: ``create_reward("repetition", **options)``, or from a spec (a
+name, a reward config YAML file or an inline mapping):
+``build_reward("configs/rewards/dhm.yaml")``.
 
 Built-in rewards are registered in :data:`REWARDS` by import path, with a
 one-line description, so listing them or creating a model-free reward never
@@ -7,18 +9,23 @@ imports torch. Register your own with :func:`register_reward`.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from storyrl.config import ConfigError, ConfigTypeError
 from storyrl.registry import Registry
 from storyrl.rewards.base import ModelConfig, Reward, RewardConfig, completion_text
 
 __all__ = [
     "REWARDS",
+    "SPEC_HELP",
     "AsyncReward",
     "ModelConfig",
     "Reward",
     "RewardConfig",
+    "build_reward",
     "completion_text",
     "create_reward",
     "get_reward_class",
@@ -26,6 +33,7 @@ __all__ = [
     "list_rewards",
     "load_reward_config",
     "register_reward",
+    "resolve_reward",
 ]
 
 REWARDS: Registry[type[Reward]] = Registry("reward")
@@ -65,11 +73,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def register_reward(name: str | None = None, *, description: str | None = None):
+def register_reward(name: str | None = None, *, description: str | None = None, replace: bool = False):
     """Class decorator adding a :class:`Reward` subclass to :data:`REWARDS`
     under ``name`` (default: the class's ``name`` attribute; description:
-    the first line of its docstring)."""
-    return REWARDS.register(name, description=description)
+    the first line of its docstring). A name already taken is an error
+    unless ``replace``."""
+    return REWARDS.register(name, description=description, replace=replace)
 
 
 def list_rewards() -> list[str]:
@@ -87,24 +96,86 @@ def create_reward(name: str, **options: Any) -> Reward:
     return get_reward_class(name)(**options)
 
 
+SPEC_HELP = "a registered reward name, a reward config YAML file, or an inline mapping {reward: <name>, <options>}"
+
+
+def build_reward(spec: Any, options: Mapping[str, Any] | None = None, *, expect: str | None = None) -> Reward:
+    """The reward of ``spec``: a registered name (``repetition``), a reward
+    config YAML file (``reward: <name>`` plus its options) or an inline
+    mapping ``{reward: coherence, model: ..., ...}``; ``options`` replace the
+    file's or mapping's. Models are not loaded yet. See
+    :func:`resolve_reward` for ``expect`` and the errors."""
+    cls, config = resolve_reward(spec, options, expect=expect)
+    return cls(config)
+
+
+def resolve_reward(
+    spec: Any, options: Mapping[str, Any] | None = None, *, expect: str | None = None
+) -> tuple[type[Reward], RewardConfig]:
+    """The reward class and validated config of ``spec`` (see
+    :func:`build_reward`), without creating the reward. ``expect``: the
+    registered name the reward must have (an inline mapping may then leave
+    out ``reward``). Errors are :class:`~storyrl.config.ConfigError` naming
+    the file or reward at fault (a TypeError too for an unknown or ill-typed
+    option)."""
+    if isinstance(spec, Mapping):
+        data = dict(spec)
+        data.setdefault("reward", expect)
+        if not isinstance(data["reward"], str):
+            raise ConfigError(f"an inline reward is a mapping with a 'reward: <name>' key, got {dict(spec)!r}")
+        return _configured(data, options, None, expect)
+    if isinstance(spec, str) and spec in REWARDS:
+        return _configured({"reward": spec}, options, None, expect)
+    if isinstance(spec, str) and (spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec):
+        if not Path(spec).is_file():
+            raise ConfigError(f"no such reward config file {spec}")
+        return _configured(_read_reward_file(spec), options, spec, expect)
+    if isinstance(spec, str):
+        raise ConfigError(f"unknown reward {spec!r}; give {SPEC_HELP} (rewards: {', '.join(REWARDS.names())})")
+    raise ConfigTypeError(f"a reward is {SPEC_HELP}, got {type(spec).__name__} {spec!r}")
+
+
 def load_reward_config(path: str | Path, overrides: dict[str, Any] | None = None) -> Reward:
     """Create a reward from a YAML file: ``reward: <name>`` plus its options.
-    ``overrides`` (e.g. command-line options) replace file options; ones the
-    reward does not declare are ignored. Errors are ValueErrors naming the
-    file."""
-    from storyrl.config import load_yaml, option_info
+    ``overrides`` (e.g. command-line options; None = not given) replace file
+    options; ones the reward does not declare are ignored. Errors are
+    ValueErrors (:class:`~storyrl.config.ConfigError`) naming the file."""
+    from storyrl.config import option_info
 
-    path = Path(path)
-    data = load_yaml(path)
+    data = _read_reward_file(path)
+    declared = set()
+    if data["reward"] in REWARDS:
+        declared = {info.name for info in option_info(get_reward_class(data["reward"]).config_class)}
+    given = {k: v for k, v in (overrides or {}).items() if k in declared and v is not None}
+    cls, config = _configured(data, given, str(path), None)
+    return cls(config)
+
+
+def _read_reward_file(path: str | Path) -> dict[str, Any]:
+    from storyrl.config import load_yaml
+
+    data = load_yaml(Path(path))
     if not isinstance(data, dict) or not isinstance(data.get("reward"), str):
-        raise ValueError(f"{path}: a reward config is a mapping with a 'reward: <name>' key")
-    options = {k: v for k, v in data.items() if k != "reward"}
+        raise ConfigError("a reward config is a mapping with a 'reward: <name>' key", source=str(path))
+    return dict(data)
+
+
+def _configured(
+    data: dict[str, Any], options: Mapping[str, Any] | None, source: str | None, expect: str | None
+) -> tuple[type[Reward], RewardConfig]:
+    """The class and config of ``data`` (``reward: <name>`` plus options),
+    ``options`` replacing its own; ``source``: the file it came from."""
+    name = data.pop("reward")
     try:
-        cls = get_reward_class(data["reward"])
-        declared = {info.name for info in option_info(cls.config_class)}
-        config = cls.config_class.from_mapping(options, **{k: v for k, v in (overrides or {}).items() if k in declared})
-        return cls(config)
+        cls = REWARDS.get(name)
     except KeyError as exc:
-        raise ValueError(f"{path}: {exc.args[0]}") from None
+        raise ConfigError(exc.args[0], source=source) from None
+    if expect is not None and REWARDS.resolve(name) != REWARDS.resolve(expect):
+        raise ConfigError(f"the reward is {name!r}, not {expect!r}", source=source)
+    try:
+        config = cls.config_class.from_mapping({**data, **(options or {})})
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        # Named as users call the reward, not by its config class.
+        raise ConfigError.of(exc).named(f"reward {cls.name or name!r}", cls.config_class._label(),
+                                        source=source) from None
+    return cls, config

@@ -28,8 +28,8 @@ from storyrl.models.runtime import PRECISIONS
 
 log = logging.getLogger(__name__)
 
-# Keyword arguments TRL passes to reward functions that are not story context.
-_TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "environments"})
+#: Keyword arguments TRL passes to reward functions that are not story context.
+TRL_KWARGS = frozenset({"trainer_state", "log_metric", "log_extra", "completion_ids", "environments"})
 #: Per-story context a framework may carry (verl's ``extra_info``, OpenRLHF
 #: labels, the remote reward's labels); ``story_images`` takes the place of
 #: ``images``, as in TRL. Here, not in storyrl.integrations, so that the remote
@@ -61,8 +61,9 @@ def clean_text(text: str) -> str:
     return _SURROGATE.sub("\ufffd", text)
 
 
-def _as_list(value: Any, what: str, owner: str) -> list:
-    # A bare string would be scored one character at a time.
+def as_list(value: Any, what: str, owner: str) -> list:
+    """``value`` as a list (TypeError naming ``owner`` and ``what``
+    otherwise): a bare string would be scored one character at a time."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(f"{owner}: {what} must be a list, got {type(value).__name__}")
     return list(value)
@@ -149,7 +150,7 @@ class Reward(Configurable):
         except RewardError:
             raise
         except Exception as exc:
-            raise RewardError(f"reward {self.name!r}: cannot load: {_one_line(exc)}") from exc
+            raise RewardError(f"reward {self.name!r}: cannot load: {one_line(exc)}") from exc
         return self
 
     def reset_failure_streak(self) -> None:
@@ -179,30 +180,77 @@ class Reward(Configurable):
         per-story context column has the wrong length, the loading error when
         the reward's models cannot load, and RewardError when its scoring
         raises for every story (a broken reward, not bad input)."""
-        stories = _as_list(stories, "stories", self.name)
-        out = np.full(len(stories), np.nan)
+        return self._evaluate(stories, context, None)
+
+    def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
+        """TRL reward-function contract: ``None`` marks an unscorable sample.
+        Dataset columns arrive in ``kwargs`` and are passed on as context (see
+        :func:`story_context`); the call is logged through TRL's
+        ``log_metric`` / ``log_extra`` (:meth:`log`)."""
+        if completions is None:
+            raise TypeError(f"{self.name}: called without completions")
+        texts = [completion_text(c) for c in as_list(completions, "completions", self.name)]
+        context = story_context({k: v for k, v in kwargs.items() if k not in TRL_KWARGS})
+        if prompts is not None:
+            prompts = as_list(prompts, "prompts", self.name)
+            if len(prompts) != len(texts):
+                raise ValueError(f"{self.name}: {len(prompts)} prompts for {len(texts)} completions")
+        scores = self._evaluate(texts, context, prompts)
+        self.log(kwargs.get("log_metric"), kwargs.get("log_extra"), scores)
+        return [None if math.isnan(s) else float(s) for s in scores]
+
+    def log(self, log_metric=None, log_extra=None, scores: np.ndarray | None = None) -> None:
+        """Log a call: the fraction of unscorable stories through
+        ``log_metric(name, value)`` (composites add their components). TRL's
+        callables or a trainer's own."""
+        if callable(log_metric) and scores is not None and len(scores):
+            log_metric(f"{self.name}/unscorable_frac", float(np.isnan(scores).mean()))
+
+    def _evaluate(self, stories: Sequence[Any], context: dict[str, Any], prompts: list[Any] | None) -> np.ndarray:
+        """The contract every call goes through: non-text stories are NaN,
+        context columns are checked and sliced to the text stories, the
+        stats count what was scored."""
+        stories = as_list(stories, "stories", self.name)
+        n = len(stories)
+        for key, value in context.items():
+            take_column(key, value, [], n)  # a column of the wrong length is the caller's error
+        out = np.full(n, np.nan)
         valid = [i for i, s in enumerate(stories) if isinstance(s, str)]
-        for _ in range(len(stories) - len(valid)):
+        for _ in range(n - len(valid)):
             self._unscorable("not text")
-        if valid:
-            sub = {k: _take(k, v, valid, len(stories)) for k, v in context.items()}
-            texts = [clean_text(stories[i]) for i in valid]
-            self._setup()
-            try:
-                out[valid] = self._score_batch(texts, **sub)
-                self._ok += len(valid)
-                self._errors_in_a_row = 0
-            except Exception:  # isolate the story that breaks the batch
-                out[valid] = self._score_one_by_one(texts, valid, sub)
+        texts = [clean_text(stories[i]) for i in valid]
+        sub = {k: take_column(k, v, valid, n) for k, v in context.items()}
+        sub_prompts = [prompts[i] for i in valid] if prompts is not None else None
+        out[valid] = self._score_texts(texts, sub, sub_prompts, valid, n)
         n_bad = int(np.isnan(out).sum())
-        self.stats["scored"] += len(stories) - n_bad
+        self.stats["scored"] += n - n_bad
         self.stats["unscorable"] += n_bad
         return out
+
+    # -- hook for composites -----------------------------------------------------
+    def _score_texts(
+        self, texts: list[str], context: dict[str, Any], prompts: list[Any] | None, index: list[int], n: int
+    ) -> np.ndarray:
+        """The scores of the text stories (``index``: their places in the
+        batch of ``n``; context and prompts already sliced to them). Here:
+        one :meth:`_score_batch` call, then one story at a time when it
+        raises, to isolate the story that breaks the batch."""
+        if not texts:
+            return np.empty(0)
+        self._setup()
+        scores = np.full(len(texts), np.nan)
+        try:
+            scores[:] = self._score_batch(texts, **context)  # (a result of the wrong length raises here)
+        except Exception:
+            return self._score_one_by_one(texts, index, context)
+        self._ok += len(texts)
+        self._errors_in_a_row = 0
+        return scores
 
     def _score_one_by_one(self, texts, index, context) -> np.ndarray:
         scores, errors = [], []
         for k, text in enumerate(texts):
-            one = {key: _take(key, v, [k], len(texts)) for key, v in context.items()}
+            one = {key: take_column(key, v, [k], len(texts)) for key, v in context.items()}
             try:
                 scores.append(float(self._score_batch([text], **one)[0]))
                 self._ok += 1
@@ -221,31 +269,24 @@ class Reward(Configurable):
         ):
             raise RewardError(
                 f"reward {self.name!r}: scoring failed for {self._errors_in_a_row} stories in a row: "
-                f"{type(errors[-1]).__name__}: {_one_line(errors[-1])}"
+                f"{type(errors[-1]).__name__}: {one_line(errors[-1])}"
             ) from errors[-1]
         return np.asarray(scores)
 
-    def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
-        """TRL reward-function contract: ``None`` marks an unscorable sample.
-        Dataset columns arrive in ``kwargs`` and are passed on as context; a
-        ``story_images`` column, when present, is the ``images`` context."""
-        if completions is None:
-            raise TypeError(f"{self.name}: called without completions")
-        texts = [completion_text(c) for c in _as_list(completions, "completions", self.name)]
-        context = {k: v for k, v in kwargs.items() if k not in _TRL_KWARGS}
-        if "story_images" in context:
-            # TRL feeds a VLM policy the dataset's ``images`` column (e.g. one
-            # sequence image); the per-position images rewards need travel as
-            # ``story_images`` and take the place of ``images`` here.
-            context["images"] = context.pop("story_images")
-        scores = self.score(texts, **context)
-        log_metric = kwargs.get("log_metric")
-        if callable(log_metric) and len(scores):
-            log_metric(f"{self.name}/unscorable_frac", float(np.isnan(scores).mean()))
-        return [None if math.isnan(s) else float(s) for s in scores]
+
+def story_context(context: Mapping[str, Any]) -> dict[str, Any]:
+    """``context`` (a call's columns, or one story's entries) with
+    ``story_images`` in place of ``images``: TRL feeds a VLM policy the
+    dataset's ``images`` column (e.g. one sequence image), so the
+    per-position images rewards need travel as ``story_images``."""
+    context = dict(context)
+    story_images = context.pop("story_images", None)
+    if story_images is not None:
+        context["images"] = story_images
+    return context
 
 
-def _take(key: str, value: Any, index: list[int], n: int) -> Any:
+def take_column(key: str, value: Any, index: list[int], n: int) -> Any:
     """Select the per-story entries of a context column. Lists, tuples and
     arrays are per-story columns and must have one entry per story (a length
     mismatch would give a story another story's images); other values pass
@@ -259,5 +300,6 @@ def _take(key: str, value: Any, index: list[int], n: int) -> Any:
     return value
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its type when it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__

@@ -5,8 +5,9 @@ logging.
 A component is given as a registered reward name (``repetition``), a
 reward-config YAML file (``configs/rewards/coherence.yaml``, as
 :func:`storyrl.rewards.load_reward_config` reads) or an inline mapping
-``{reward: coherence, model: ..., ...}``; ``options`` given beside it
-replace the file's or mapping's options. Components are created when the
+``{reward: coherence, model: ..., ...}``, built by
+:func:`storyrl.rewards.build_reward`; ``options`` given beside it replace
+the file's or mapping's options. Components are created when the
 composite is (their options are validated then) and load their models
 lazily, so a composite pickles before and after loading (TRL, Ray).
 
@@ -23,84 +24,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from storyrl.rewards.base import (
-    _TRL_KWARGS,
-    Reward,
-    RewardConfig,
-    _as_list,
-    _take,
-    clean_text,
-    completion_text,
-)
+from storyrl.rewards import build_reward
+from storyrl.rewards.base import Reward, RewardConfig
 
-__all__ = ["CompositeReward", "build_reward", "resolve_reward", "unique_names"]
-
-SPEC_HELP = "a registered reward name, a reward config YAML file, or an inline mapping {reward: <name>, <options>}"
-
-
-def _is_path(spec: str) -> bool:
-    return spec.endswith((".yaml", ".yml")) or "/" in spec or os.sep in spec
-
-
-def resolve_reward(
-    spec: Any, options: Mapping[str, Any] | None = None, *, expect: str | None = None
-) -> tuple[type[Reward], RewardConfig]:
-    """The reward class and validated config of a component ``spec`` (see the
-    module docs), ``options`` replacing its own. ``expect``: the registered
-    name the reward must have (an inline mapping may then leave out
-    ``reward``). TypeError / ValueError naming the file or reward at fault."""
-    from storyrl.config import load_yaml
-    from storyrl.rewards import REWARDS
-
-    source = None
-    if isinstance(spec, Mapping):
-        data = dict(spec)
-        name = data.pop("reward", expect)
-        if not isinstance(name, str):
-            raise ValueError(f"an inline reward is a mapping with a 'reward: <name>' key, got {dict(spec)!r}")
-    elif isinstance(spec, str) and spec in REWARDS:
-        name, data = spec, {}
-    elif isinstance(spec, str) and _is_path(spec):
-        source = spec
-        if not Path(spec).is_file():
-            raise ValueError(f"no such reward config file {spec}")
-        data = load_yaml(spec)
-        if not isinstance(data, dict) or not isinstance(data.get("reward"), str):
-            raise ValueError(f"{spec}: a reward config is a mapping with a 'reward: <name>' key")
-        data = dict(data)
-        name = data.pop("reward")
-    elif isinstance(spec, str):
-        raise ValueError(f"unknown reward {spec!r}; give {SPEC_HELP} (rewards: {', '.join(REWARDS.names())})")
-    else:
-        raise TypeError(f"a reward is {SPEC_HELP}, got {type(spec).__name__} {spec!r}")
-    where = f"{source}: " if source else ""
-    try:
-        cls = REWARDS.get(name)
-    except KeyError as exc:
-        raise ValueError(f"{where}{exc.args[0]}") from None
-    if expect is not None and REWARDS.resolve(name) != REWARDS.resolve(expect):
-        raise ValueError(f"{where}the reward is {name!r}, not {expect!r}")
-    try:
-        config = cls.config_class.from_mapping({**data, **(options or {})})
-    except (TypeError, ValueError) as exc:
-        # Name the reward as users call it, not its config class.
-        message = str(exc).removeprefix(f"{cls.config_class._label()}: ")
-        raise type(exc)(f"{where}reward {cls.name or name!r}: {message}") from None
-    return cls, config
-
-
-def build_reward(spec: Any, options: Mapping[str, Any] | None = None, *, expect: str | None = None) -> Reward:
-    """The component reward of ``spec`` (see :func:`resolve_reward`); models
-    are not loaded yet."""
-    cls, config = resolve_reward(spec, options, expect=expect)
-    return cls(config)
+# build_reward lives in storyrl.rewards; re-exported for storyrl.training.rl.config until it imports it there.
+__all__ = ["CompositeReward", "build_reward", "unique_names"]
 
 
 def unique_names(names: Sequence[str], fixed: Sequence[bool] | None = None) -> list[str]:
@@ -180,32 +113,10 @@ class CompositeReward(Reward):
             metrics[f"{name}/unscorable_frac"] = float((~np.isfinite(column)).mean())
         return metrics
 
-    # -- the Reward API ---------------------------------------------------------------
+    # -- the Reward hooks ---------------------------------------------------------------
     def _setup(self) -> None:
         for reward in self.component_rewards.values():
             reward.setup()
-
-    def score(self, stories: Sequence[Any], **context: Any) -> np.ndarray:
-        """Score a batch (see :meth:`Reward.score`); every component scores the
-        whole batch once."""
-        return self._evaluate(stories, context, None)
-
-    def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
-        """TRL reward-function contract (see :meth:`Reward.__call__`), plus
-        every component logged through TRL's ``log_metric`` / ``log_extra``."""
-        if completions is None:
-            raise TypeError(f"{self.name}: called without completions")
-        texts = [completion_text(c) for c in _as_list(completions, "completions", self.name)]
-        context = {k: v for k, v in kwargs.items() if k not in _TRL_KWARGS}
-        if "story_images" in context:
-            context["images"] = context.pop("story_images")  # as Reward.__call__: TRL's images feed the policy
-        if prompts is not None:
-            prompts = _as_list(prompts, "prompts", self.name)
-            if len(prompts) != len(texts):
-                raise ValueError(f"{self.name}: {len(prompts)} prompts for {len(texts)} completions")
-        scores = self._evaluate(texts, context, prompts)
-        self.log(kwargs.get("log_metric"), kwargs.get("log_extra"), scores)
-        return [None if math.isnan(s) else float(s) for s in scores]
 
     def log(self, log_metric=None, log_extra=None, scores: np.ndarray | None = None) -> None:
         """Log the last call's components: ``log_metric(name, value)`` for the
@@ -215,37 +126,25 @@ class CompositeReward(Reward):
         n = len(scores) if scores is not None else len(next(iter(values.values()), ()))
         if not n:
             return
+        super().log(log_metric, log_extra, scores)
         if callable(log_metric):
-            if scores is not None:
-                log_metric(f"{self.name}/unscorable_frac", float(np.isnan(scores).mean()))
             for key, value in self._metrics(values).items():
                 log_metric(f"{self.name}/{key}", value)
         if callable(log_extra):
             for key, column in values.items():
                 log_extra(f"{self.name}/{key}", _column(column))
 
-    def _evaluate(self, stories: Sequence[Any], context: dict[str, Any], prompts: list[Any] | None) -> np.ndarray:
-        stories = _as_list(stories, "stories", self.name)
-        n = len(stories)
-        for key, value in context.items():
-            _take(key, value, [], n)  # a column of the wrong length is the caller's error
-        out = np.full(n, np.nan)
-        valid = [i for i, s in enumerate(stories) if isinstance(s, str)]
-        for _ in range(n - len(valid)):
-            self._unscorable("not text")
-        values: dict[str, np.ndarray] = {}
-        if n:  # (with no text at all the components get an empty batch: the columns still exist)
-            texts = [clean_text(stories[i]) for i in valid]
-            sub = {k: _take(k, v, valid, n) for k, v in context.items()}
-            sub_prompts = [prompts[i] for i in valid] if prompts is not None else None
-            total, parts = self._combine(texts, sub, sub_prompts)
-            out[valid] = total
-            values = {k: _spread(v, valid, n) for k, v in parts.items()}
-        self.last_components = values
-        n_bad = int(np.isnan(out).sum())
-        self.stats["scored"] += n - n_bad
-        self.stats["unscorable"] += n_bad
-        return out
+    def _score_texts(self, texts, context, prompts, index, n) -> np.ndarray:
+        # Every component scores the whole batch once and isolates its own
+        # unscorable stories: no story-by-story retry here (see the module
+        # docs). With no text at all the components still get the empty
+        # batch, so that the columns exist.
+        if not n:
+            self.last_components = {}
+            return np.empty(0)
+        total, parts = self._combine(texts, context, prompts)
+        self.last_components = {k: _spread(v, index, n) for k, v in parts.items()}
+        return total
 
     def _score_components(self, texts: list[str], context: dict[str, Any]) -> dict[str, np.ndarray]:
         """Every component's scores of ``texts``, one batched call each, with

@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
-from storyrl.rewards.base import RewardConfig, _take, clean_text
-from storyrl.rewards.composite import CompositeReward, _finite_mean, build_reward, resolve_reward
+from storyrl.rewards import build_reward, resolve_reward
+from storyrl.rewards.base import RewardConfig, clean_text, take_column
+from storyrl.rewards.composite import CompositeReward, _finite_mean
 from storyrl.rewards.dhm_distance import DHM_DIMENSIONS
 
 __all__ = ["DHM", "DIMENSIONS", "DhmConfig"]
@@ -194,7 +195,7 @@ class DHM(CompositeReward):
                                                                             "reference_noun_phrases")}
             if "reference_noun_phrases" in context:
                 human_context["noun_phrases"] = context["reference_noun_phrases"]
-            human_context = {k: _take(k, v, first, n) for k, v in human_context.items()}
+            human_context = {k: take_column(k, v, first, n) for k, v in human_context.items()}
             scores = self._score_components([clean_text(refs[i]) for i in first], human_context)
             self.stats["human_scored"] += len(first)
             for j, (key, index) in enumerate(todo.items()):

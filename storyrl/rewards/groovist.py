@@ -266,13 +266,13 @@ def calibrate_theta(
     (2.5 · best cosine, before penalty and weighting) over all scored NPs of
     all stories. ``progress(n)`` is called after each batch of n stories.
     Returns ``{"theta", "n_phrases", "n_stories", "n_unscorable"}``."""
-    from storyrl.rewards.base import _take
+    from storyrl.rewards.base import take_column
 
     total, n_phrases, n_bad = 0.0, 0, 0
     n = len(stories)
     for start in range(0, n, batch_size):
         index = list(range(start, min(n, start + batch_size)))
-        sub = {k: _take(k, v, index, n) for k, v in context.items() if v is not None}
+        sub = {k: take_column(k, v, index, n) for k, v in context.items() if v is not None}
         for result in reward.analyse([stories[i] for i in index], **sub):
             if result.reason is not None:
                 n_bad += 1

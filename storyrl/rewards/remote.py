@@ -61,16 +61,17 @@ import numpy as np
 
 from storyrl.config import option
 from storyrl.rewards.base import (
-    _TRL_KWARGS,
     CONTEXT_KEYS,
+    TRL_KWARGS,
     FatalRewardError,
     Reward,
     RewardConfig,
     RewardError,
-    _as_list,
-    _one_line,
-    _take,
+    as_list,
     completion_text,
+    one_line,
+    story_context,
+    take_column,
 )
 
 __all__ = ["TOKEN_ENV", "RemoteConfig", "RemoteReward", "RemoteRewardError", "RemoteRewardUnavailable"]
@@ -229,10 +230,10 @@ class RemoteReward(Reward):
         RemoteRewardError when it refuses a request (4xx), TypeError /
         ValueError for arguments of the wrong type or length. Safe to call
         concurrently; at most ``max_concurrency`` requests are in flight."""
-        stories = _as_list(stories, "stories", self.__name__)
+        stories = as_list(stories, "stories", self.__name__)
         n = len(stories)
-        contexts = [None] * n if contexts is None else _as_list(contexts, "contexts", self.__name__)
-        prompts = [None] * n if prompts is None else _as_list(prompts, "prompts", self.__name__)
+        contexts = [None] * n if contexts is None else as_list(contexts, "contexts", self.__name__)
+        prompts = [None] * n if prompts is None else as_list(prompts, "prompts", self.__name__)
         for what, values in (("contexts", contexts), ("prompts", prompts)):
             if len(values) != n:
                 raise ValueError(f"{self.__name__}: {len(values)} {what} for {n} stories")
@@ -293,7 +294,7 @@ class RemoteReward(Reward):
         ``last_components``."""
         from storyrl.rewards.concurrent import run_sync
 
-        stories = _as_list(stories, "stories", self.__name__)
+        stories = as_list(stories, "stories", self.__name__)
         prompts = context.pop("prompts", None)
         scores, self.last_components = run_sync(
             self.score_async(stories, _per_story(context, len(stories)), prompts))
@@ -303,8 +304,8 @@ class RemoteReward(Reward):
         """TRL reward-function contract, async (see :meth:`Reward.__call__`)."""
         if completions is None:
             raise TypeError(f"{self.__name__}: called without completions")
-        texts = [completion_text(c) for c in _as_list(completions, "completions", self.__name__)]
-        context = {k: v for k, v in kwargs.items() if k not in _TRL_KWARGS}
+        texts = [completion_text(c) for c in as_list(completions, "completions", self.__name__)]
+        context = {k: v for k, v in kwargs.items() if k not in TRL_KWARGS}
         scores, components = await self.score_async(texts, _per_story(context, len(texts)), prompts)
         log_extra, log_metric = kwargs.get("log_extra"), kwargs.get("log_metric")
         if callable(log_extra):
@@ -353,10 +354,7 @@ class RemoteReward(Reward):
     def _label(self, context: Mapping[str, Any] | None) -> dict[str, Any] | None:
         if not context:
             return None
-        context = dict(context)
-        if context.get("story_images") is not None:
-            # As Reward.__call__: the per-position images win over a VLM policy's images column.
-            context["images"] = context.pop("story_images")
+        context = story_context(context)
         label = {}
         for key in CONTEXT_KEYS:
             if self.send_context is not None and key not in self.send_context:
@@ -411,7 +409,7 @@ class RemoteReward(Reward):
                 failure = _Failure("timeout", f"no answer from {url} within {self.timeout_s:g} s")
                 continue
             except httpx.TransportError as exc:
-                failure = _Failure("connection error", f"{url}: {type(exc).__name__}: {_one_line(exc)}")
+                failure = _Failure("connection error", f"{url}: {type(exc).__name__}: {one_line(exc)}")
                 continue
             status = response.status_code
             if status == 429 or status >= 500:
@@ -433,7 +431,7 @@ class RemoteReward(Reward):
             try:
                 return response.json()
             except ValueError as exc:
-                return _Failure("malformed answer", f"{url}: not JSON ({_one_line(exc)[:200]})")
+                return _Failure("malformed answer", f"{url}: not JSON ({one_line(exc)[:200]})")
         with self._lock:
             self.http_stats["failed"] += 1
         return failure
@@ -515,7 +513,7 @@ def _httpx():
 def _per_story(context: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
     """Context columns (one entry per story; other values apply to every
     story) -> one mapping per story."""
-    columns = {k: _take(k, v, list(range(n)), n) for k, v in context.items()}
+    columns = {k: take_column(k, v, list(range(n)), n) for k, v in context.items()}
     return [{k: (v[i] if isinstance(v, (list, np.ndarray)) else v) for k, v in columns.items()} for i in range(n)]
 
 

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
-from storyrl.rewards.base import ModelConfig, Reward, _as_list, clean_text
+from storyrl.rewards.base import ModelConfig, Reward, as_list, clean_text
 
 
 @dataclass
@@ -121,8 +121,8 @@ class Vrank(Reward):
         NaN (counted in ``stats["reasons"]``) when either is not text or empty.
         ``context`` is accepted for the pairwise-metric interface and unused
         (Vrank reads no images)."""
-        first = _as_list(first, "first", self.name)
-        second = _as_list(second, "second", self.name)
+        first = as_list(first, "first", self.name)
+        second = as_list(second, "second", self.name)
         if len(first) != len(second):
             raise ValueError(f"{self.name}: {len(first)} first stories for {len(second)} second stories")
         out = np.full(len(first), np.nan)
@@ -159,7 +159,7 @@ class Vrank(Reward):
         """Each candidate's mean preference over the others (module docs);
         NaN for a candidate that is not text or empty, which is left out of
         the others' means."""
-        stories = _as_list(stories, "stories", self.name)
+        stories = as_list(stories, "stories", self.name)
         valid = [i for i, s in enumerate(stories) if _valid(s)]
         out = np.full(len(stories), np.nan)
         for i in range(len(stories)):

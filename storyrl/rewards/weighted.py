@@ -29,16 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from storyrl.config import Config, option
+from storyrl.config import Config, ConfigError, option
+from storyrl.rewards import SPEC_HELP, build_reward, resolve_reward
 from storyrl.rewards.base import RewardConfig
-from storyrl.rewards.composite import (
-    SPEC_HELP,
-    CompositeReward,
-    build_reward,
-    prompt_key,
-    resolve_reward,
-    unique_names,
-)
+from storyrl.rewards.composite import CompositeReward, prompt_key, unique_names
 
 __all__ = ["NORMALIZATIONS", "Weighted", "WeightedComponent", "WeightedConfig", "group_zscore", "range_scale",
            "zscore"]
@@ -110,8 +104,7 @@ def _component(value: Any, index: int) -> Any:
     try:
         return WeightedComponent.from_mapping(value)
     except (TypeError, ValueError) as exc:
-        message = str(exc).removeprefix("WeightedComponent: ")
-        raise type(exc)(f"components[{index}]: {message}") from None
+        raise ConfigError.of(exc).named(f"components[{index}]", WeightedComponent._label()) from None
 
 
 @dataclass
