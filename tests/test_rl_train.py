@@ -419,6 +419,19 @@ def test_tapm_policies_train_with_ppo_only(assets, tmp_path):
         RLConfig.from_mapping({**options(assets, tmp_path / "o", "ppo", model=str(tapm), lora=True), "ppo": {}})
 
 
+def test_ppo_refuses_callbacks_in_one_line_before_loading_anything(assets, tmp_path):
+    from storyrl.training.rl.config import ALGORITHMS, RLConfig
+    from storyrl.training.rl.train import train
+
+    assert [n for n, a in ALGORITHMS.items() if not a.callbacks] == ["ppo"]
+    config = RLConfig.from_mapping({**options(assets, tmp_path / "o", "ppo"), "ppo": {}})
+    with pytest.raises(ValueError) as caught:
+        train(config, progress=False, callbacks=[snapshot_callback()])
+    assert str(caught.value) == ("algorithm ppo: callbacks (transformers TrainerCallback objects) are for grpo, "
+                                 "rloo; storyrl's ppo takes none: leave callbacks unset")
+    assert not (tmp_path / "o" / "rl_config.yaml").exists()  # refused before the run started
+
+
 def test_detected_policies(assets):
     from storyrl.training.rl.policy import detect_policy
 

@@ -27,7 +27,7 @@ import dataclasses
 import enum
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,19 +41,60 @@ from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
 from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
 
-__all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "LoraOptions", "RLConfig"]
+__all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig"]
 
-ALGORITHMS = ("ppo", "grpo", "rloo")
 POLICIES = ("auto", "causal_lm", "vlm", "tapm")
 #: How the policy sees the image sequence (see RLConfig.setting).
 SETTINGS = ("auto", "visual", "separate", "text")
 _DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS (kept import-light)
 #: Run-level keys set at the top level and copied into the algorithm's config.
 FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
-#: The nested algorithm configs and their classes.
-_NESTED = {"ppo": PPOConfig, "grpo": GRPOConfig, "rloo": RLOOConfig}
 # Attribute on a built nested config holding the keys the user gave (what is saved).
 _GIVEN = "_storyrl_given"
+
+
+def _storyrl_flowed(run: RLConfig) -> dict[str, Any]:
+    """The run-level keys as storyrl's own configs take them (PPOConfig)."""
+    return {"output_dir": run.output_dir, "seed": run.seed, "max_steps": run.max_steps, "report_to": run.report_to}
+
+
+def _trl_flowed(run: RLConfig) -> dict[str, Any]:
+    """The run-level keys as TRL's configs take them: max_steps -1 is TRL's
+    'not set'; the reward weights are TRL's too."""
+    return {"output_dir": run.output_dir, "seed": run.seed, "max_steps": -1 if run.max_steps is None else run.max_steps,
+            "report_to": run.report_to, "reward_weights": run.reward_weights}
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One RL algorithm: ``config_class`` is its nested config (the RLConfig
+    key of the algorithm's name), ``run`` the ``module:function`` that trains
+    with it, imported when a run starts (``run(config, policy, dataset,
+    rewards, resume=, progress=, callbacks=)`` returns an
+    :class:`~storyrl.training.rl.train.RLResult`), ``flowed`` the run-level
+    keys (:data:`FLOWED_KEYS`) as its config takes them, ``callbacks``
+    whether its trainer calls transformers ``TrainerCallback`` objects."""
+
+    config_class: type
+    run: str
+    flowed: Callable[[RLConfig], dict[str, Any]]
+    callbacks: bool = True
+
+    def runner(self) -> Callable[..., Any]:
+        import importlib
+
+        module, _, function = self.run.partition(":")
+        return getattr(importlib.import_module(module), function)
+
+
+#: Every RL algorithm: what the ``algorithm`` key accepts, the nested
+#: configs, and what a run calls. A new one is a line here and an RLConfig
+#: field of the same name holding its config.
+ALGORITHMS: dict[str, Algorithm] = {
+    "ppo": Algorithm(PPOConfig, "storyrl.training.rl.train:run_ppo", _storyrl_flowed, callbacks=False),
+    "grpo": Algorithm(GRPOConfig, "storyrl.training.rl.train:run_trl", _trl_flowed),
+    "rloo": Algorithm(RLOOConfig, "storyrl.training.rl.train:run_trl", _trl_flowed),
+}
 
 
 @dataclass
@@ -80,7 +121,7 @@ class RLConfig(Config):
 
     # -- algorithm and run ----------------------------------------------------------
     algorithm: str = option("grpo", "ppo (storyrl's, on accelerate), grpo or rloo (TRL's trainers).",
-                            choices=ALGORITHMS)
+                            choices=tuple(ALGORITHMS))
     output_dir: str = option(help="Checkpoints, rl_config.yaml, history.jsonl, samples.jsonl and final/.",
                              path="new-dir")
     seed: int = option(0, "Seed of the run (data order, sampling, adapter initialisation).")
@@ -138,18 +179,19 @@ class RLConfig(Config):
                 setattr(self, name, check_type(getattr(self, name), info.type))
             except TypeError as exc:
                 raise TypeError(f"{label}: key {name!r}: {exc}") from None
-        for name, cls in _NESTED.items():
+        for name, algorithm in ALGORITHMS.items():
             value = getattr(self, name)
             if value is None and name != self.algorithm:
                 continue
             if name != self.algorithm and self.algorithm in ALGORITHMS:  # it would be ignored without a word
                 raise ValueError(f"{label}: {name}: options for algorithm {name}, but the run's algorithm is "
                                  f"{self.algorithm}; remove the {name} section or set algorithm: {name}")
-            setattr(self, name, self._nested(name, cls, value))
+            setattr(self, name, self._nested(name, algorithm, value))
         super().__post_init__()
 
-    def _nested(self, name: str, cls: type, value: Any) -> Any:
+    def _nested(self, name: str, algorithm: Algorithm, value: Any) -> Any:
         label = self._label()
+        cls, flowed = algorithm.config_class, algorithm.flowed(self)
         if value is None:
             given = {}
         elif isinstance(value, Mapping):
@@ -157,7 +199,7 @@ class RLConfig(Config):
         elif isinstance(value, cls):
             given = getattr(value, _GIVEN, None)
             if given is None:
-                given = _changed_keys(value, self._flowed(cls))
+                given = _changed_keys(value, flowed)
         else:
             raise TypeError(f"{label}: key {name!r}: expected a mapping of {cls.__name__} keys, "
                             f"got {type(value).__name__}")
@@ -168,22 +210,14 @@ class RLConfig(Config):
             raise ValueError(f"{label}: {name}: set {', '.join(owned)} at the top level (it applies to the whole "
                              f"run), not inside {name}")
         try:
-            built = cls.from_mapping({**given, **self._flowed(cls)}) if issubclass(cls, Config) else \
-                cls(**{**self._device_defaults(given), **given, **self._flowed(cls)})
+            built = cls.from_mapping({**given, **flowed}) if issubclass(cls, Config) else \
+                cls(**{**self._device_defaults(given), **given, **flowed})
         except TypeError as exc:
             raise ValueError(f"{label}: {name}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{label}: {name}: {' '.join(str(exc).split())}") from None
         object.__setattr__(built, _GIVEN, given)
         return built
-
-    def _flowed(self, cls: type) -> dict[str, Any]:
-        if cls is PPOConfig:
-            return {"output_dir": self.output_dir, "seed": self.seed, "max_steps": self.max_steps,
-                    "report_to": self.report_to}
-        return {"output_dir": self.output_dir, "seed": self.seed,
-                "max_steps": -1 if self.max_steps is None else self.max_steps,
-                "report_to": self.report_to, "reward_weights": self.reward_weights}
 
     @staticmethod
     def _device_defaults(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -288,7 +322,7 @@ class RLConfig(Config):
         out = {}
         for info in _infos(type(self)):
             value = getattr(self, info.name)
-            if info.name in _NESTED:
+            if info.name in ALGORITHMS:
                 out[info.name] = None if value is None else _plain(getattr(value, _GIVEN, None) or {})
             elif isinstance(value, Config):
                 out[info.name] = value.to_dict()

@@ -16,16 +16,15 @@ as an uninterrupted run.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from storyrl.training import Trainer
-from storyrl.training.rl.config import RLConfig
+from storyrl.training.rl.config import ALGORITHMS, RLConfig
 from storyrl.training.runs import guarded, is_main_process
 
-__all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "train"]
+__all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "run_ppo", "run_trl", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +47,10 @@ class RLResult:
 
     def summary(self) -> dict[str, Any]:
         """The command's JSON line: directories, steps and the last logged reward."""
-        rewards = [e["reward"] for e in self.history if isinstance(e.get("reward"), (int, float))]
-        last = rewards[-1] if rewards and math.isfinite(rewards[-1]) else None
+        from storyrl.training.rl.monitor import last_reward
+
         return {"algorithm": self.algorithm, "output_dir": self.output_dir, "final": self.final_dir,
-                "steps": self.steps, "last_reward": last}
+                "steps": self.steps, "last_reward": last_reward(self.history)}
 
 
 def _save_config(config: RLConfig, resume: bool) -> None:
@@ -76,7 +75,8 @@ def _save_config(config: RLConfig, resume: bool) -> None:
 @guarded
 def train(config: RLConfig, resume: bool = False, progress: bool = True, callbacks: list | None = None) -> RLResult:
     """Run the RL fine-tuning of ``config`` (module docs). ``callbacks`` are
-    extra transformers ``TrainerCallback`` objects for the TRL trainers;
+    extra transformers ``TrainerCallback`` objects for the TRL trainers
+    (storyrl's PPO refuses them: it has no TrainerState to call them with);
     ``overwrite=True`` (keyword) replaces an earlier run in ``output_dir``
     (:func:`storyrl.training.runs.run_directory`)."""
     import storyrl  # noqa: F401  (torchvision fallback before transformers)
@@ -97,6 +97,11 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
     from storyrl.training.rl.data import build_dataset
     from storyrl.training.rl.policy import load_policy
 
+    algorithm = ALGORITHMS[config.algorithm]
+    if callbacks and not algorithm.callbacks:
+        raise ValueError(f"algorithm {config.algorithm}: callbacks (transformers TrainerCallback objects) are for "
+                         f"{', '.join(n for n, a in ALGORITHMS.items() if a.callbacks)}; storyrl's "
+                         f"{config.algorithm} takes none: leave callbacks unset")
     kind = config.policy_kind()
     if kind == "tapm" and config.algorithm != "ppo":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
@@ -113,21 +118,28 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
     dataset = build_dataset(config, kind, policy.processing_class)
     _save_config(config, resume)
     try:
-        if config.algorithm == "ppo":
-            return _train_ppo(config, policy, dataset, rewards, resume, progress)
-        from storyrl.training.rl.trl_trainers import train_trl
-
-        trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
+        return algorithm.runner()(config, policy, dataset, rewards, resume=resume, progress=progress,
+                                  callbacks=callbacks)
     except FatalRewardError as exc:
         # A reward server down for good, a rejected token: one line, no final/.
         from storyrl.training.runs import RunFailedError
 
         raise RunFailedError(f"stopped: {exc}") from exc
+
+
+def run_trl(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool,
+            callbacks: list | None) -> RLResult:
+    """GRPO/RLOO through TRL's trainers (:func:`~storyrl.training.rl.trl_trainers.train_trl`)."""
+    from storyrl.training.rl.trl_trainers import train_trl
+
+    trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
     return RLResult(config.algorithm, config.output_dir, trainer.state.global_step, list(trainer.state.log_history))
 
 
-def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool) -> RLResult:
-    """storyrl's PPO (it writes history.jsonl with the story statistics and samples.jsonl itself)."""
+def run_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool,
+            callbacks: list | None = None) -> RLResult:
+    """storyrl's PPO (it writes history.jsonl with the story statistics and
+    samples.jsonl itself); ``callbacks`` are refused before (:class:`Algorithm`)."""
     from storyrl.training.rl.policy import lora_config, merge_adapters
     from storyrl.training.rl.ppo import PPOTrainer, find_latest_checkpoint
 
@@ -153,4 +165,10 @@ def _train_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progres
     return RLResult("ppo", config.output_dir, result.steps, list(result.history))
 
 
-TRAINER = Trainer(RLConfig, train)
+TRAINER = Trainer(
+    RLConfig, train,
+    outputs="Checkpoints OUTPUT_DIR/checkpoint-<step>, the resolved config OUTPUT_DIR/rl_config.yaml, one JSON line "
+            "per logged step in OUTPUT_DIR/history.jsonl and the trained policy in OUTPUT_DIR/final.",
+    config_file="configs/rl/<name>.yaml",
+    resume_help="Continue from the latest OUTPUT_DIR/checkpoint-<step>.",
+)
