@@ -35,57 +35,60 @@ def train() -> None:
     (configs/accelerate/README.md)."""
 
 
-# What a trainer leaves in OUTPUT_DIR, where its configs live, what --resume does:
-# storyrl.training.loop.fit's layout, or the RL runs' (checkpoint-<step>/ as TRL's).
-_FIT_LAYOUT = ("Best model in OUTPUT_DIR/best, resumable state in OUTPUT_DIR/last, one JSON line per epoch in "
-               "OUTPUT_DIR/history.jsonl.", "configs/training/{name}.yaml", "Continue from OUTPUT_DIR/last.")
-_LAYOUTS = {
-    "rl": ("Checkpoints OUTPUT_DIR/checkpoint-<step>, the resolved config OUTPUT_DIR/rl_config.yaml, one JSON line "
-           "per logged step in OUTPUT_DIR/history.jsonl and the trained policy in OUTPUT_DIR/final.",
-           "configs/rl/<name>.yaml", "Continue from the latest OUTPUT_DIR/checkpoint-<step>."),
-}
+class _TrainCommand(GeneratedOptionsCommand):
+    """A trainer's command: the help text and the --config/--resume help
+    come from its :class:`~storyrl.training.Trainer` entry (output layout,
+    config directory), read when shown or parsed, so listing the commands
+    imports no trainer."""
+
+    def __init__(self, *args, trainer_params, help_text, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._trainer_params, self._help_text = trainer_params, help_text
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        return [*self._trainer_params(), *super().get_params(ctx)]
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self.help = self._help_text()
+        super().format_help(ctx, formatter)
 
 
 def _train_command(name: str, description: str) -> click.Command:
-    def options(own: set[str]) -> list[click.Parameter]:
+    def trainer():
         from storyrl.training import TRAINERS
 
-        return config_options(TRAINERS.get(name).config_class, own)
+        return TRAINERS.get(name)
+
+    def options(own: set[str]) -> list[click.Parameter]:
+        return config_options(trainer().config_class, own)
 
     def command(config_path, resume, overwrite, quiet, **values) -> None:
-        from storyrl.training import TRAINERS
-
         if resume and overwrite:
             _fail("--resume and --overwrite exclude each other", 2)
-        trainer = TRAINERS.get(name)
+        entry = trainer()
         try:
-            config = trainer.config_class.from_yaml(config_path, **given(values))
-            result = trainer.run(config, resume=resume, progress=not quiet, overwrite=overwrite)
+            config = entry.config_class.from_yaml(config_path, **given(values))
+            result = entry.run(config, resume=resume, progress=not quiet, overwrite=overwrite)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
-        summary = getattr(result, "summary", None)  # trainers without epochs (rl) say what they did
-        click.echo(_json(summary() if callable(summary) else {
-            "output_dir": config.output_dir,
-            "best_epoch": result.best_epoch,
-            "best_val_loss": result.best_val_loss,
-            # What chose best/ when it is not the validation loss (Vrank: val_acc).
-            **({result.monitor: result.best_metric} if getattr(result, "monitor", "val_loss") != "val_loss" else {}),
-            "epochs_run": result.epochs_run,
-            "stopped_early": result.stopped_early,
-        }))
+        click.echo(_json(result.summary()))
 
-    outputs, config_file, resume_help = _LAYOUTS.get(name, _FIT_LAYOUT)
-    help_text = (f"{description} Trains from a config YAML; every top-level config key can also be given as an "
-                 f"option, which wins over the file (nested mappings such as grpo:, ppo:, rloo:, lora: only in the file). "
-                 f"{outputs}")
+    def help_text() -> str:
+        return (f"{description} Trains from a config YAML; every top-level config key can also be given as an "
+                f"option, which wins over the file (nested mappings such as grpo:, ppo:, rloo:, lora: only in the "
+                f"file). {trainer().outputs}")
+
+    def trainer_params() -> list[click.Parameter]:
+        entry = trainer()
+        return [click.Option(["--config", "config_path"], required=True, type=_FILE,
+                             help=f"Training config YAML ({entry.config_file.format(name=name)})."),
+                click.Option(["--resume"], is_flag=True, help=entry.resume_help)]
+
     params = [
-        click.Option(["--config", "config_path"], required=True, type=_FILE,
-                     help=f"Training config YAML ({config_file.format(name=name)})."),
-        click.Option(["--resume"], is_flag=True, help=resume_help),
         click.Option(["--overwrite"], is_flag=True,
                      help="Replace an earlier run in OUTPUT_DIR (its files are removed first); without it a run "
                           "refuses a directory that holds files."),
         click.Option(["--quiet", "-q"], is_flag=True, help="No progress bars."),
     ]
-    return GeneratedOptionsCommand(name, params=params, callback=command, help=help_text,
-                                   short_help=description, generate=options)
+    return _TrainCommand(name, params=params, callback=command, short_help=description, generate=options,
+                         trainer_params=trainer_params, help_text=help_text)

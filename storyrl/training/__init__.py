@@ -11,21 +11,36 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from storyrl.registry import Registry
 
-__all__ = ["TRAINERS", "Trainer"]
+__all__ = ["TRAINERS", "TrainResult", "Trainer"]
+
+
+class TrainResult(Protocol):
+    """What every train function returns: ``summary()`` is the JSON line
+    ``storyrl train <name>`` prints (:class:`storyrl.training.loop.FitResult`,
+    :class:`storyrl.training.rl.train.RLResult`)."""
+
+    def summary(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
 class Trainer:
-    """A registered trainer: its config class and its train function, which
-    returns an object with ``best_epoch``, ``best_val_loss``, ``epochs_run``
-    and ``stopped_early`` (:class:`storyrl.training.loop.FitResult`)."""
+    """A registered trainer: its config class and its train function
+    ``train(config, resume=False, progress=True)``, which returns a
+    :class:`TrainResult`; ``outputs``, ``config_file`` and ``resume_help``
+    are what its command's help says about the output directory, where its
+    configs live (``{name}``: the trainer's) and what ``--resume`` does
+    (by default :func:`storyrl.training.loop.fit`'s layout)."""
 
     config_class: type
-    train: Callable[..., Any]
+    train: Callable[..., TrainResult]
+    outputs: str = ("Best model in OUTPUT_DIR/best, resumable state in OUTPUT_DIR/last, one JSON line per epoch in "
+                    "OUTPUT_DIR/history.jsonl.")
+    config_file: str = "configs/training/{name}.yaml"
+    resume_help: str = "Continue from OUTPUT_DIR/last."
 
     def run(self, config, resume: bool = False, progress: bool = True, overwrite: bool = False) -> Any:
         """``train`` inside its output directory's guard
@@ -35,7 +50,11 @@ class Trainer:
         from storyrl.training.runs import guarded
 
         train = self.train if getattr(self.train, "storyrl_guarded", False) else guarded(self.train)
-        return train(config, resume=resume, progress=progress, overwrite=overwrite)
+        result = train(config, resume=resume, progress=progress, overwrite=overwrite)
+        if not callable(getattr(result, "summary", None)):
+            raise TypeError(f"trainer {self.train.__module__}.{self.train.__qualname__} returned "
+                            f"{type(result).__name__}, which has no summary() (see storyrl.training.TrainResult)")
+        return result
 
 
 TRAINERS: Registry[Trainer] = Registry("trainer")

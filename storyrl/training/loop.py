@@ -72,6 +72,19 @@ class FitResult:
     history: list[dict] = field(default_factory=list)
     monitor: str = "val_loss"  # the history key that chose best/ and early stopping
     best_metric: float = math.nan  # its value at the best epoch
+    output_dir: str = ""
+
+    def summary(self) -> dict[str, Any]:
+        """The ``storyrl train`` JSON line: the best epoch and how the run ended."""
+        return {
+            "output_dir": self.output_dir,
+            "best_epoch": self.best_epoch,
+            "best_val_loss": self.best_val_loss,
+            # What chose best/ when it is not the validation loss (Vrank: val_acc).
+            **({self.monitor: self.best_metric} if self.monitor != "val_loss" else {}),
+            "epochs_run": self.epochs_run,
+            "stopped_early": self.stopped_early,
+        }
 
 
 class _EpochShuffleSampler(Sampler[int]):
@@ -496,6 +509,7 @@ def fit(
         history=history,
         monitor=monitor,
         best_metric=sign * best_val if math.isfinite(best_val) else math.nan,
+        output_dir=config.output_dir,
     )
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from storyrl.text import tokenize_story
 
-__all__ = ["distinct_n", "sample_stories", "story_stats"]
+__all__ = ["distinct_n", "last_reward", "sample_stories", "story_stats"]
 
 
 def distinct_n(token_lists: Sequence[Sequence[str]], n: int) -> float:
@@ -57,3 +57,10 @@ def sample_stories(texts: Sequence[str | None], rewards: Sequence[float | None],
         {"story": text if isinstance(text, str) else "", "reward": None if r is None or math.isnan(r) else float(r)}
         for text, r in list(zip(texts, rewards))[:k]
     ]
+
+
+def last_reward(history: Sequence[dict]) -> float | None:
+    """The reward of the last logged step that has one (a run's summary);
+    None when it was not finite or no step logged one."""
+    rewards = [e["reward"] for e in history if isinstance(e.get("reward"), (int, float))]
+    return rewards[-1] if rewards and math.isfinite(rewards[-1]) else None

@@ -134,6 +134,10 @@ class PPOResult:
     history: list[dict] = field(default_factory=list)
     output_dir: str = ""
 
+    def summary(self) -> dict[str, Any]:
+        """Steps, the output directory and the last logged reward (as RLResult's)."""
+        return {"output_dir": self.output_dir, "steps": self.steps, "last_reward": monitor.last_reward(self.history)}
+
 
 @dataclass
 class _Batch:
