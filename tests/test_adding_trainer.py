@@ -1,0 +1,100 @@
+"""README's "Adding a trainer", run as written: its module code and its
+registry line are read from README.md and executed, with a stand-in for the
+TRL training inside ``train``, and the trainer is driven through
+``storyrl train sft`` as a user would."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import storyrl.training
+from storyrl.cli import main
+from storyrl.registry import Registry
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def readme_blocks() -> list[str]:
+    text = README.read_text(encoding="utf-8")
+    section = text.split("\n## Adding a trainer\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+@pytest.fixture
+def sft(monkeypatch):
+    """The README's module as storyrl.training.sft (train replaced by a
+    stand-in that records its call) and a registry holding what the
+    README's TRAINERS.add line registers."""
+    module_code, registry_line = readme_blocks()
+    module = types.ModuleType("storyrl.training.sft")
+    monkeypatch.setitem(sys.modules, "storyrl.training.sft", module)  # before: dataclasses look the module up
+    exec(compile(module_code, "README.md", "exec"), module.__dict__)  # noqa: S102  (the README's own code)
+    calls = []
+
+    def stand_in(config, resume=False, progress=True):
+        calls.append({"config": config, "resume": resume, "progress": progress})
+        return module.SFTResult(config.output_dir, config.max_steps)
+
+    module.TRAINER = dataclasses.replace(module.TRAINER, train=stand_in)
+    registry = Registry("trainer")
+    exec(compile(registry_line, "README.md", "exec"), {"TRAINERS": registry})  # noqa: S102
+    monkeypatch.setattr(storyrl.training, "TRAINERS", registry)
+    return module, calls
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_the_readme_trainer_is_a_storyrl_train_command(sft, tmp_path):
+    module, calls = sft
+    runner = CliRunner()
+    listing = flat(runner.invoke(main, ["train", "--help"]).output)
+    assert "sft Supervised fine-tuning of a storyteller on human stories." in listing
+    help_text = flat(runner.invoke(main, ["train", "sft", "--help"]).output)
+    # what the Trainer entry says, not fit's layout
+    assert "Checkpoints OUTPUT_DIR/checkpoint-<step> and the model in OUTPUT_DIR/final." in help_text
+    assert "Training config YAML (configs/sft/<name>.yaml)." in help_text
+    assert "Continue from the latest OUTPUT_DIR/checkpoint-<step>." in help_text
+    assert "OUTPUT_DIR/best" not in help_text
+    assert all(f"--{o}" in help_text for o in ("model", "data", "output-dir", "max-steps", "learning-rate"))
+
+    data = tmp_path / "stories.jsonl"
+    data.write_text(json.dumps({"story_id": "s1", "story": "We went to the sea."}) + "\n", encoding="utf-8")
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: tiny\ndata: {data}\noutput_dir: {tmp_path / 'run'}\nlearning_rate: 0.001\n",
+                      encoding="utf-8")
+    result = runner.invoke(main, ["train", "sft", "--config", str(config), "--max-steps", "7", "-q"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1]) == {"output_dir": str(tmp_path / "run"), "steps": 7}
+    [call] = calls
+    assert isinstance(call["config"], module.SFTRunConfig)
+    assert (call["config"].learning_rate, call["config"].max_steps) == (0.001, 7)  # the file, then the option
+    assert (call["resume"], call["progress"]) == (False, False)
+
+    result = runner.invoke(main, ["train", "sft", "--config", str(config), "--max-steps", "0"])
+    assert result.exit_code == 2 and "--max-steps" in result.output  # the option's bound, from the dataclass
+
+
+def test_a_result_without_summary_is_refused_in_one_line(tmp_path):
+    from storyrl.training import Trainer
+
+    @dataclasses.dataclass
+    class Config_:
+        output_dir: str
+
+    def train(config, resume=False, progress=True):
+        return {"steps": 1}
+
+    with pytest.raises(TypeError) as caught:
+        Trainer(Config_, train).run(Config_(str(tmp_path / "run")), progress=False)
+    assert "returned dict, which has no summary()" in str(caught.value)
+    assert "\n" not in str(caught.value)
