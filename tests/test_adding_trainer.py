@@ -25,7 +25,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def readme_blocks() -> list[str]:
     text = README.read_text(encoding="utf-8")
     section = text.split("\n## Adding a trainer\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
 
 
 @pytest.fixture
