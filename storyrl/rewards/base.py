@@ -125,6 +125,9 @@ class Reward(Configurable):
     value_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     #: The dataclass declaring the reward's options.
     config_class: ClassVar[type[RewardConfig]] = RewardConfig
+    #: Whether scoring uses the TRL call's prompts (composites: weighted's
+    #: group normalisation); they reach :meth:`_score_texts`.
+    uses_prompts: ClassVar[bool] = False
 
     def __init__(self, config: RewardConfig | None = None, /, **options: Any) -> None:
         super().__init__(config, **options)
@@ -191,11 +194,13 @@ class Reward(Configurable):
             raise TypeError(f"{self.name}: called without completions")
         texts = [completion_text(c) for c in as_list(completions, "completions", self.name)]
         context = story_context({k: v for k, v in kwargs.items() if k not in TRL_KWARGS})
-        if prompts is not None:
+        if self.uses_prompts and prompts is not None:
             prompts = as_list(prompts, "prompts", self.name)
             if len(prompts) != len(texts):
                 raise ValueError(f"{self.name}: {len(prompts)} prompts for {len(texts)} completions")
-        scores = self._evaluate(texts, context, prompts)
+            scores = self._evaluate(texts, context, prompts)
+        else:  # through score, so that a subclass wrapping it sees every call
+            scores = self.score(texts, **context)
         self.log(kwargs.get("log_metric"), kwargs.get("log_extra"), scores)
         return [None if math.isnan(s) else float(s) for s in scores]
 

@@ -87,6 +87,8 @@ class CompositeReward(Reward):
     (``<reward>/<component>/mean``, ``.../unscorable_frac``) and
     ``log_extra`` (one column of per-story values each)."""
 
+    uses_prompts = True
+
     def __init__(self, config: RewardConfig | None = None, /, **options: Any) -> None:
         super().__init__(config, **options)
         self.component_rewards: dict[str, Reward] = {}

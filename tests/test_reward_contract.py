@@ -1,0 +1,285 @@
+"""The reward contract, checked once for every registered reward (in the
+style of torchmetrics' MetricTester): batched ``score`` equals scoring one
+story at a time, a pickled copy scores the same, the TRL call equals
+``score`` with NaN as None, a context column of the wrong length is an
+error, and ``__name__`` is set (TRL names its columns after it).
+
+Each reward is built cheaply and offline: tiny random-weight models from
+``tiny_models``, a local ``storyrl serve`` for ``remote``. Every case's batch
+holds at least one story the reward scores and one it cannot (the checks
+would pass vacuously on an all-NaN batch), plus a story that is not text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import shared_path
+
+import storyrl  # noqa: F401  (before torch/transformers: CPU torchvision fallback)
+from storyrl.rewards import REWARDS, Reward, build_reward, create_reward
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+STORY = "The dog ran to the park. It saw a red car. The sky was blue."
+OTHER = "A cat sat on the old boat. The sea was calm. Birds flew over the city."
+REFERENCE = "A dog runs in the park. A red car drives by. The sky is blue."
+
+
+@dataclass
+class Case:
+    """How to build a fresh reward, and a batch (stories and per-story
+    context columns) with at least one scorable and one unscorable story."""
+
+    make: Callable[[], Reward]
+    stories: list
+    context: dict[str, list]
+
+
+def _take(context: dict[str, list], i: int) -> dict[str, list]:
+    return {k: [v[i]] for k, v in context.items()}
+
+
+# -- the cases -------------------------------------------------------------------------
+# One builder per built-in reward: (pytest request) -> Case. Fixtures are
+# fetched inside, so that only the models a selected case needs are built.
+
+
+def _repetition(request) -> Case:
+    # "" has no sentences: unscorable.
+    return Case(lambda: create_reward("repetition"), [STORY, "the dog the dog the dog .", "", None], {})
+
+
+def _reference_based(name: str):
+    def build(request) -> Case:
+        refs = [[REFERENCE, OTHER], [REFERENCE], [], [REFERENCE]]  # [] is no reference: unscorable
+        return Case(lambda: create_reward(name, reference_absent=True), [STORY, OTHER, STORY, None],
+                    {"references": refs})
+    return build
+
+
+def _clipscore(request) -> Case:
+    tiny_clip, images = request.getfixturevalue("tiny_clip"), request.getfixturevalue("images")
+    return Case(lambda: create_reward("clipscore", clip_model=tiny_clip, clip_pretrained=None),
+                [STORY, "A dog runs.", OTHER, None], {"images": [images, [], images[::-1], images]})
+
+
+def _groovist(request) -> Case:
+    tiny_clip, images = request.getfixturevalue("tiny_clip"), request.getfixturevalue("images")
+    options = {"theta": 0.5, "concreteness": str(shared_path("groovist", "concreteness_ratings.csv")),
+               "pronouns": str(shared_path("groovist", "all_pronouns.txt"))}
+    return Case(lambda: create_reward("groovist", clip_model=tiny_clip, clip_pretrained=None, **options),
+                ["s", "t", "u", None],
+                {"images": [images, images[:2], ["/nope/missing.png"], images],
+                 "noun_phrases": [["the dog", "a red car"], ["the sky", "trees"], ["the dog"], ["people"]]})
+
+
+@pytest.fixture(scope="module")
+def coherence_dir(tmp_path_factory) -> str:
+    from tiny_models import albert_tokenizer, coherence_model
+
+    directory = tmp_path_factory.mktemp("coherence") / "model"
+    model = coherence_model(seed=0, size="small", head_scale=20).eval()
+    model.save_pretrained(directory, albert_tokenizer([STORY, OTHER, REFERENCE]))
+    return str(directory)
+
+
+def _coherence(request) -> Case:
+    model = request.getfixturevalue("coherence_dir")
+    # One sentence: no pair to score.
+    return Case(lambda: create_reward("coherence", model=model, batch_size=64),
+                [STORY, OTHER, "Only one sentence.", None], {})
+
+
+def _rovist_vg(request) -> Case:
+    model, glove = request.getfixturevalue("rovist_vg_dir"), request.getfixturevalue("glove_path")
+    images = request.getfixturevalue("images")
+    return Case(lambda: create_reward("rovist_vg", model=model, glove=glove, device="cpu", regions="whole"),
+                ["s", "t", "u", None],
+                {"images": [images, images[1:], ["/nope/missing.png"], images],
+                 "nouns": [["dog", "car"], ["tree"], ["dog"], ["dog"]]})
+
+
+@pytest.fixture(scope="module")
+def vrank_dir(tmp_path_factory) -> str:
+    import torch
+    from tiny_models import bert_wordpiece_tokenizer, vrank_model
+
+    root = tmp_path_factory.mktemp("vrank")
+    tokenizer = bert_wordpiece_tokenizer([STORY, OTHER, REFERENCE], root / "tok")
+    model = vrank_model(len(tokenizer), seed=0, initializer_range=0.5).eval()
+    with torch.no_grad():
+        model.head.bias.zero_()
+    model.save_pretrained(root / "model", tokenizer)
+    return str(root / "model")
+
+
+def _vrank(request) -> Case:
+    model = request.getfixturevalue("vrank_dir")
+    return Case(lambda: create_reward("vrank", model=model, batch_size=3),
+                [STORY, OTHER, STORY, None], {"reference": [REFERENCE, OTHER, None, REFERENCE]})
+
+
+@pytest.fixture(scope="module")
+def cosmic_dir(tmp_path_factory) -> str:
+    """A random-weight COSMiC head over a tiny timm ResNet and a tiny BERT."""
+    import torch
+    from tiny_models import albert_tokenizer
+    from transformers import BertConfig, BertModel
+
+    from storyrl.models.cosmic import CosmicHead, EncoderSpec, HeadConfig, cosmic_encoders
+
+    root = tmp_path_factory.mktemp("cosmic")
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=64)
+    BertModel(config).save_pretrained(root / "bert")
+    albert_tokenizer([STORY, OTHER, REFERENCE]).save_pretrained(root / "bert")
+    spec = EncoderSpec(image_library="timm", image_model="resnetv2_50", image_pretrained=None,
+                       image_kwargs={"layers": (1, 1, 1, 1), "channels": (8, 16, 32, 64), "stem_chs": 8},
+                       text_model=str(root / "bert"), max_length=32)
+    encoders = cosmic_encoders(spec, "cpu", "fp32")
+    head = CosmicHead(HeadConfig(image_dim=encoders.image_dim, text_dim=encoders.text_dim, encoders=spec))
+    head.save_pretrained(root / "head")
+    return str(root / "head")
+
+
+def _cosmic(request) -> Case:
+    model, images = request.getfixturevalue("cosmic_dir"), request.getfixturevalue("images")
+    # Two sentences for three images: a count mismatch, unscorable.
+    return Case(lambda: create_reward("cosmic", model=model, device="cpu", precision="fp32"),
+                [STORY, OTHER, "A dog ran. A car.", None],
+                {"images": [images, images[::-1], images, images], "reference": [REFERENCE, STORY, OTHER, OTHER]})
+
+
+def _dhm(request) -> Case:
+    # No reference: no human story to compare with, unscorable.
+    return Case(lambda: create_reward("dhm", dimensions=["repetition"]),
+                [STORY, OTHER, STORY, None], {"reference": [REFERENCE, STORY, None, REFERENCE]})
+
+
+def _weighted(request) -> Case:
+    spec = {"reward": "weighted", "components": [{"reward": "repetition"},
+                                                 {"reward": "bleu", "weight": 0.5,
+                                                  "options": {"reference_absent": True}}]}
+    return Case(lambda: build_reward(spec), [STORY, OTHER, STORY, None],
+                {"references": [[REFERENCE], [STORY], [], [REFERENCE]]})
+
+
+@pytest.fixture(scope="module")
+def repetition_server():
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from storyrl.integrations.server import create_app, run_in_thread
+
+    with run_in_thread(create_app(create_reward("repetition"))) as url:
+        yield url
+
+
+def _remote(request) -> Case:
+    url = request.getfixturevalue("repetition_server")
+    return Case(lambda: create_reward("remote", url=url), [STORY, "the dog the dog .", "", None], {})
+
+
+CASES = {
+    "repetition": _repetition,
+    "bleu": _reference_based("bleu"),
+    "rouge_l": _reference_based("rouge_l"),
+    "clipscore": _clipscore,
+    "groovist": _groovist,
+    "coherence": _coherence,
+    "rovist_vg": _rovist_vg,
+    "vrank": _vrank,
+    "cosmic": _cosmic,
+    "dhm": _dhm,
+    "weighted": _weighted,
+    "remote": _remote,
+}
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request) -> tuple[str, Case]:
+    return request.param, CASES[request.param](request)
+
+
+def _trl_call(reward: Reward, **kwargs: Any) -> list:
+    out = reward(**kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out  # the remote reward's call is async
+
+
+def _with_nan(scores) -> list:
+    return [None if math.isnan(s) else float(s) for s in scores]
+
+
+# -- the contract -------------------------------------------------------------------------
+
+
+def test_every_built_in_reward_has_a_case():
+    built_in = {n for n in REWARDS.names() if REWARDS.get(n).__module__.startswith("storyrl.")}
+    assert built_in == set(CASES)
+
+
+def test_batched_score_equals_one_story_at_a_time(case):
+    name, c = case
+    reward = c.make()
+    batch = reward.score(c.stories, **c.context)
+    assert batch.dtype == np.float64 and batch.shape == (len(c.stories),)
+    assert np.isfinite(batch).any() and np.isnan(batch).any(), batch  # both kinds of story, or the check is void
+    one = [reward.score([s], **_take(c.context, i))[0] for i, s in enumerate(c.stories)]
+    np.testing.assert_allclose(batch, one, rtol=1e-5, atol=1e-5, equal_nan=True, err_msg=name)
+    assert reward.stats["scored"] == 2 * int(np.isfinite(batch).sum())
+    assert reward.stats["unscorable"] == 2 * int(np.isnan(batch).sum())
+
+
+def test_pickled_reward_scores_the_same(case):
+    name, c = case
+    reward = c.make()
+    fresh = pickle.loads(pickle.dumps(reward))  # before any model loads
+    want = reward.score(c.stories, **c.context)
+    used = pickle.loads(pickle.dumps(reward))  # and after
+    for copy in (fresh, used):
+        assert copy.__name__ == reward.__name__ and copy.config() == reward.config()
+        np.testing.assert_allclose(copy.score(c.stories, **c.context), want, rtol=1e-6, atol=1e-7,
+                                   equal_nan=True, err_msg=name)
+
+
+def test_trl_call_is_score_with_none_for_nan(case):
+    name, c = case
+    reward = c.make()
+    want = _with_nan(reward.score(c.stories, **c.context))
+    # Plain strings, and chat messages for the first story: the same text.
+    completions = [[{"role": "assistant", "content": c.stories[0]}], *c.stories[1:]]
+    logged = {}
+    out = _trl_call(reward, prompts=["p"] * len(c.stories), completions=completions, trainer_state=None,
+                    completion_ids=[[1]] * len(c.stories), log_metric=logged.__setitem__, **c.context)
+    assert isinstance(out, list) and [v is None for v in out] == [v is None for v in want]
+    assert all(isinstance(v, float) for v in out if v is not None)
+    assert [v for v in out if v is not None] == pytest.approx([v for v in want if v is not None], rel=1e-5, abs=1e-5)
+    assert logged[f"{reward.__name__}/unscorable_frac"] == pytest.approx(want.count(None) / len(want))
+
+
+def test_a_context_column_of_the_wrong_length_is_an_error(case):
+    _, c = case
+    reward = c.make()
+    short = {**c.context, "story_id": [f"s{i}" for i in range(len(c.stories) - 1)]}
+    with pytest.raises(ValueError, match=rf"'story_id' has {len(c.stories) - 1} entries for {len(c.stories)}"):
+        reward.score(c.stories, **short)
+    with pytest.raises(ValueError, match="'story_id'"):
+        _trl_call(reward, prompts=["p"] * len(c.stories), completions=c.stories, **short)
+    for key, column in c.context.items():  # the reward's own columns too
+        with pytest.raises(ValueError, match=rf"{key!r} has {len(column) - 1} entries"):
+            reward.score(c.stories, **{**c.context, key: column[:-1]})
+
+
+def test_name_is_set(case):
+    name, c = case
+    reward = c.make()
+    assert reward.name == reward.__name__ == name
