@@ -5,7 +5,6 @@ alignment, batching, failures, the TRL contract and the shared embedder."""
 from __future__ import annotations
 
 import math
-import pickle
 
 import numpy as np
 import pytest
@@ -196,23 +195,6 @@ def test_value_range_and_config(tiny_clip):
     assert reward.value_range == (0.0, 2.5) and reward.higher_is_better and reward.__name__ == "clipscore"
     assert reward.config()["prefix"] is None and reward.config()["clip_model"] == tiny_clip
     assert make(tiny_clip).config()["prefix"] == PREFIX
-
-
-def test_trl_contract_and_pickle(tiny_clip, images):
-    reward = make(tiny_clip)
-    direct = reward.score([STORY], images=[images])[0]
-    out = reward(
-        prompts=["p"] * 3,
-        completions=[STORY, [{"role": "assistant", "content": STORY}], "A dog."],
-        images=[images, images, ["/nope/missing.png"]],
-        trainer_state=None,
-    )
-    assert isinstance(out, list) and len(out) == 3
-    assert isinstance(out[0], float) and isinstance(out[1], float) and out[2] is None
-    assert out[0] == pytest.approx(direct, abs=1e-6) and out[1] == pytest.approx(direct, abs=1e-6)
-    clone = pickle.loads(pickle.dumps(reward))
-    assert clone.__name__ == "clipscore" and clone.config() == reward.config()
-    assert clone.score([STORY], images=[images])[0] == pytest.approx(direct, abs=1e-6)
 
 
 def test_groovist_and_clipscore_share_one_embedder(tiny_clip):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import pickle
 
 import numpy as np
 import pytest
@@ -140,13 +139,6 @@ def test_loading_errors(tiny, tmp_path):
         create_reward("coherence", model=str(bogus), base_model=str(tiny["base"])).score(TEXTS[:1])
     with pytest.raises(ValueError, match="mode"):
         create_reward("coherence", mode="sideways")
-
-
-def test_pickle_and_trl_contract(tiny):
-    reward = create_reward("coherence", model=str(tiny["dir"]))
-    clone = pickle.loads(pickle.dumps(reward))
-    out = clone(prompts=["p"] * 2, completions=[TEXTS[0], [{"role": "assistant", "content": "Only one."}]])
-    assert out[0] == pytest.approx(reward.score(TEXTS[:1])[0]) and out[1] is None
 
 
 def test_vwp_parity_with_the_authors_checkpoint():

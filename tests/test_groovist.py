@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import math
-import pickle
 
 import numpy as np
 import pytest
@@ -302,17 +301,6 @@ def test_calibrate_theta_is_mean_scaled_cosine(tiny_clip, images, ratings_path, 
     cos = [p["cosine"] for d in reward.explain(["a", "b"], images=[images] * 2, noun_phrases=nps[:2]) for p in d["phrases"]]
     assert result["theta"] == pytest.approx(2.5 * np.mean(cos))
     assert result["n_phrases"] == 3 and result["n_unscorable"] == 1
-
-
-def test_pickle_and_trl_contract(tiny_clip, images, ratings_path, pronouns_path):
-    reward = make(tiny_clip, ratings_path, pronouns_path)
-    reward.score(["s"], images=[images], noun_phrases=[["the dog"]])  # load everything
-    clone = pickle.loads(pickle.dumps(reward))
-    assert clone.__name__ == "groovist" and clone.config() == reward.config()
-    out = clone(prompts=["p", "p"], completions=["x", "y"], images=[images, ["/nope.png"]],
-                noun_phrases=[["the dog"], ["the dog"]], trainer_state=None)
-    assert isinstance(out[0], float) and out[1] is None
-    assert out[0] == pytest.approx(reward.score(["s"], images=[images], noun_phrases=[["the dog"]])[0])
 
 
 def test_bad_configuration():

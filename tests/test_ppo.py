@@ -128,28 +128,27 @@ def check_history(result, reward_names, extra_metrics=()):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_text_policy_two_steps(tmp_path, lora):
-    from storyrl.rewards import REWARDS, create_reward
+    from storyrl.rewards import create_reward
     from storyrl.training.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     model = likes_full_stops(tiny_models.tiny_llama(tokenizer), tokenizer)
     initial = snapshot(model)
     custom = WordCount()
-    rewards = [custom, create_reward("repetition")]
-    if "weighted" in REWARDS:
-        rewards.append(create_reward("weighted", components=[{"reward": "repetition"},
-                                                             {"reward": "repetition", "options": {"chunk_size": 2}}]))
+    weighted = create_reward("weighted", components=[{"reward": "repetition"},
+                                                     {"reward": "repetition", "options": {"chunk_size": 2}}])
+    rewards = [custom, create_reward("repetition"), weighted]
     trainer = PPOTrainer(model, rewards, ppo_args(tmp_path, gradient_checkpointing=lora), text_dataset(),
                          processing_class=tokenizer, peft_config=lora_config() if lora else None,
-                         reward_weights=[1.0, 0.5, 0.5][: len(rewards)])
+                         reward_weights=[1.0, 0.5, 0.5])
     head_before = snapshot(trainer.accelerator.unwrap_model(trainer.model).value_head)
     result = trainer.train()
 
     names = [r.__name__ for r in rewards]
-    extra = ["word_count/longest", "repetition/unscorable_frac"]
-    if len(rewards) > 2:  # the composite reward's own components
-        extra += ["weighted/unscorable_frac", "weighted/repetition/mean", "weighted/repetition_2/mean",
-                  "weighted/repetition/unscorable_frac"]
+    extra = ["word_count/longest", "repetition/unscorable_frac",
+             # the composite reward's own components
+             "weighted/unscorable_frac", "weighted/repetition/mean", "weighted/repetition_2/mean",
+             "weighted/repetition/unscorable_frac"]
     check_history(result, names, extra)
     assert [s.get("word_count/words") is not None for s in result.history[0]["samples"]] == [True, True]
     # the reward saw TRL's keywords and every column but prompt, one entry per completion

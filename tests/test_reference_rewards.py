@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 
 import numpy as np
 import pytest
@@ -97,21 +96,6 @@ def test_missing_or_bad_references_are_nan_and_counted(name):
     assert reward.stats["reasons"] == {"no reference": 2, "reference is not text": 1, "not text": 1}
     # Without any reference context at all.
     assert math.isnan(reward.score([STORY])[0])
-
-
-@pytest.mark.parametrize("name", ["bleu", "rouge_l"])
-def test_batched_equals_one_by_one_pickling_and_trl_contract(name):
-    reward = create_reward(name, reference_absent=True)
-    stories = [STORY, REFS[0], REFS[2], "short ."]
-    refs = [REFS, REFS, REFS[:1], []]
-    batched = reward.score(stories, references=refs)
-    one = [reward.score([s], references=[r])[0] for s, r in zip(stories, refs)]
-    np.testing.assert_array_equal(batched, np.asarray(one))
-    copy = pickle.loads(pickle.dumps(reward))
-    np.testing.assert_array_equal(copy.score(stories, references=refs), batched)
-    assert copy.__name__ == name
-    out = reward(prompts=["p"] * 4, completions=stories, references=refs, trainer_state=None)
-    assert out[:3] == [float(x) for x in batched[:3]] and out[3] is None
 
 
 def test_option_types_are_validated():

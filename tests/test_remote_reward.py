@@ -26,10 +26,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from storyrl.integrations.server import create_app, run_in_thread
-from storyrl.rewards import create_reward, load_reward_config
+from storyrl.rewards import build_reward, create_reward, load_reward_config
 from storyrl.rewards import remote as remote_module
 from storyrl.rewards.base import RewardError
-from storyrl.rewards.composite import build_reward
 from storyrl.rewards.remote import RemoteRewardError, RemoteRewardUnavailable
 
 STORIES = [

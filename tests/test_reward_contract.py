@@ -42,6 +42,8 @@ class Case:
     make: Callable[[], Reward]
     stories: list
     context: dict[str, list]
+    #: batched vs one at a time: 0 for rewards without a model (exactly equal)
+    atol: float = 1e-5
 
 
 def _take(context: dict[str, list], i: int) -> dict[str, list]:
@@ -55,14 +57,14 @@ def _take(context: dict[str, list], i: int) -> dict[str, list]:
 
 def _repetition(request) -> Case:
     # "" has no sentences: unscorable.
-    return Case(lambda: create_reward("repetition"), [STORY, "the dog the dog the dog .", "", None], {})
+    return Case(lambda: create_reward("repetition"), [STORY, "the dog the dog the dog .", "", None], {}, atol=0)
 
 
 def _reference_based(name: str):
     def build(request) -> Case:
         refs = [[REFERENCE, OTHER], [REFERENCE], [], [REFERENCE]]  # [] is no reference: unscorable
         return Case(lambda: create_reward(name, reference_absent=True), [STORY, OTHER, STORY, None],
-                    {"references": refs})
+                    {"references": refs}, atol=0)
     return build
 
 
@@ -163,7 +165,7 @@ def _cosmic(request) -> Case:
 def _dhm(request) -> Case:
     # No reference: no human story to compare with, unscorable.
     return Case(lambda: create_reward("dhm", dimensions=["repetition"]),
-                [STORY, OTHER, STORY, None], {"reference": [REFERENCE, STORY, None, REFERENCE]})
+                [STORY, OTHER, STORY, None], {"reference": [REFERENCE, STORY, None, REFERENCE]}, atol=0)
 
 
 def _weighted(request) -> Case:
@@ -171,7 +173,7 @@ def _weighted(request) -> Case:
                                                  {"reward": "bleu", "weight": 0.5,
                                                   "options": {"reference_absent": True}}]}
     return Case(lambda: build_reward(spec), [STORY, OTHER, STORY, None],
-                {"references": [[REFERENCE], [STORY], [], [REFERENCE]]})
+                {"references": [[REFERENCE], [STORY], [], [REFERENCE]]}, atol=0)
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +188,7 @@ def repetition_server():
 
 def _remote(request) -> Case:
     url = request.getfixturevalue("repetition_server")
-    return Case(lambda: create_reward("remote", url=url), [STORY, "the dog the dog .", "", None], {})
+    return Case(lambda: create_reward("remote", url=url), [STORY, "the dog the dog .", "", None], {}, atol=0)
 
 
 CASES = {
@@ -234,7 +236,7 @@ def test_batched_score_equals_one_story_at_a_time(case):
     assert batch.dtype == np.float64 and batch.shape == (len(c.stories),)
     assert np.isfinite(batch).any() and np.isnan(batch).any(), batch  # both kinds of story, or the check is void
     one = [reward.score([s], **_take(c.context, i))[0] for i, s in enumerate(c.stories)]
-    np.testing.assert_allclose(batch, one, rtol=1e-5, atol=1e-5, equal_nan=True, err_msg=name)
+    np.testing.assert_allclose(batch, one, rtol=0, atol=c.atol, equal_nan=True, err_msg=name)
     assert reward.stats["scored"] == 2 * int(np.isfinite(batch).sum())
     assert reward.stats["unscorable"] == 2 * int(np.isnan(batch).sum())
 
@@ -247,12 +249,12 @@ def test_pickled_reward_scores_the_same(case):
     used = pickle.loads(pickle.dumps(reward))  # and after
     for copy in (fresh, used):
         assert copy.__name__ == reward.__name__ and copy.config() == reward.config()
-        np.testing.assert_allclose(copy.score(c.stories, **c.context), want, rtol=1e-6, atol=1e-7,
-                                   equal_nan=True, err_msg=name)
+        # The same weights and inputs: the same floats.
+        np.testing.assert_array_equal(copy.score(c.stories, **c.context), want, err_msg=name)
 
 
 def test_trl_call_is_score_with_none_for_nan(case):
-    name, c = case
+    _, c = case
     reward = c.make()
     want = _with_nan(reward.score(c.stories, **c.context))
     # Plain strings, and chat messages for the first story: the same text.
@@ -262,7 +264,7 @@ def test_trl_call_is_score_with_none_for_nan(case):
                     completion_ids=[[1]] * len(c.stories), log_metric=logged.__setitem__, **c.context)
     assert isinstance(out, list) and [v is None for v in out] == [v is None for v in want]
     assert all(isinstance(v, float) for v in out if v is not None)
-    assert [v for v in out if v is not None] == pytest.approx([v for v in want if v is not None], rel=1e-5, abs=1e-5)
+    assert out == want  # exactly: the same batch scored the same way
     assert logged[f"{reward.__name__}/unscorable_frac"] == pytest.approx(want.count(None) / len(want))
 
 

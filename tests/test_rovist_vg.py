@@ -5,7 +5,6 @@ batching, failures, storage, pickling, and training through the generic loop."""
 from __future__ import annotations
 
 import math
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -231,21 +230,6 @@ def test_save_load_round_trip_gives_identical_scores(rovist_vg_dir, glove_path, 
     first = make(rovist_vg_dir, glove_path).score(["s"], images=[images], nouns=nouns)
     second = make(str(tmp_path / "again"), glove_path).score(["s"], images=[images], nouns=nouns)
     np.testing.assert_array_equal(first, second)
-
-
-def test_pickle_and_trl_contract(rovist_vg_dir, glove_path, images):
-    reward = make(rovist_vg_dir, glove_path, regions="whole")
-    expected = reward.score(["s"], images=[images], nouns=[["dog"]])[0]  # loads everything
-    clone = pickle.loads(pickle.dumps(reward))
-    assert clone.__name__ == "rovist_vg" and clone.config() == reward.config()
-    out = clone(
-        prompts=["p", "p"],
-        completions=["x", "y"],
-        images=[images, ["/nope.png"]],
-        nouns=[["dog"], ["dog"]],
-        trainer_state=None,
-    )
-    assert out[0] == pytest.approx(expected) and out[1] is None
 
 
 def test_spacy_extraction_path_with_a_fake_pipeline(rovist_vg_dir, glove_path, images):
