@@ -62,8 +62,6 @@ def load_vlm(
 
 
 def _load(name: str, revision: str | None, device, precision: str, load_in_4bit: bool) -> VisionLanguageModel:
-    import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers)
-
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 

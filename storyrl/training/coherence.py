@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers/accelerate)
-
 import torch
 
 from storyrl.config import option

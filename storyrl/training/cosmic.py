@@ -39,8 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers/accelerate)
-
 import numpy as np
 import torch
 

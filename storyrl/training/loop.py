@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate imports it)
-
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
@@ -237,6 +235,7 @@ def fit(
     improves.
     """
     from accelerate.utils import send_to_device, set_seed
+
     from storyrl.console import progress as progress_bar
 
     if len(train_dataset) == 0:

@@ -44,10 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset, Subset
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before timm)
+from storyrl.config import option
 from storyrl.models.glove import GloVe, load_glove
 from storyrl.models.rovist_vg import DEFAULT_VIT, RovistVGModel
-from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.runs import guarded

@@ -25,8 +25,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers/accelerate)
-
 import torch
 
 from storyrl.config import option

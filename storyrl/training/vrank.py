@@ -46,8 +46,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers/accelerate)
-
 import torch
 
 from storyrl.config import option

@@ -87,7 +87,6 @@ class TapmGenerator(Generator):
     def _setup(self) -> None:
         if getattr(self, "_model", None) is not None:
             return
-        import storyrl  # noqa: F401  (torchvision fallback before transformers)
         from transformers import AutoTokenizer
 
         from storyrl.generators.tapm.features import FeatureExtractor, FeatureStore

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers)
-
 from transformers import AutoConfig, PretrainedConfig
 
 __all__ = ["LORA_DEFAULTS", "TapmConfig"]

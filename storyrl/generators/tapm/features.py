@@ -65,7 +65,6 @@ class FeatureExtractor:
 
     def __init__(self, backbone: str = "resnet101", vit: str | None = None, regions=None, max_boxes: int = 20,
                  pretrained: bool = True, device=None) -> None:
-        import storyrl  # noqa: F401  (torchvision fallback before timm)
         import timm
         import torch
 

@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers)
-
 import torch
 from transformers import AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 

@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
-
 from trl import GRPOConfig, RLOOConfig
 
 from storyrl.config import Config, check_type, option
@@ -323,11 +321,11 @@ class RLConfig(Config):
         for info in _infos(type(self)):
             value = getattr(self, info.name)
             if info.name in ALGORITHMS:
-                out[info.name] = None if value is None else _plain(getattr(value, _GIVEN, None) or {})
+                out[info.name] = None if value is None else _yaml_safe(getattr(value, _GIVEN, None) or {})
             elif isinstance(value, Config):
                 out[info.name] = value.to_dict()
             else:
-                out[info.name] = _plain(value)
+                out[info.name] = _yaml_safe(value)
         return out
 
 
@@ -401,14 +399,14 @@ def _changed_keys(value: Any, flowed: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
+def _yaml_safe(value: Any) -> Any:
     """YAML-safe plain values (enums by value, tuples as lists)."""
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _yaml_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_yaml_safe(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     return json.loads(json.dumps(value, default=str))

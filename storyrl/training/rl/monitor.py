@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from storyrl.text import tokenize_story
 
-__all__ = ["distinct_n", "last_reward", "sample_stories", "story_stats"]
+__all__ = ["distinct_n", "finite_or_none", "last_reward", "sample_stories", "story_stats"]
 
 
 def distinct_n(token_lists: Sequence[Sequence[str]], n: int) -> float:
@@ -64,3 +65,10 @@ def last_reward(history: Sequence[dict]) -> float | None:
     None when it was not finite or no step logged one."""
     rewards = [e["reward"] for e in history if isinstance(e.get("reward"), (int, float))]
     return rewards[-1] if rewards and math.isfinite(rewards[-1]) else None
+
+
+def finite_or_none(value: Any) -> Any:
+    """None for a NaN or infinite float (JSON has neither), else ``value``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value

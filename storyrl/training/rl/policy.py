@@ -75,7 +75,6 @@ def _model_type(model: str, revision: str | None, read_hub: bool) -> str | None:
         return _model_type(base, revision, read_hub) if base else None
     if not read_hub:
         return None
-    import storyrl  # noqa: F401  (torchvision fallback before transformers)
     from transformers import AutoConfig
 
     require_hub_model(model, what="policy model", hint=POLICY_HINT)
@@ -96,7 +95,6 @@ def detect_policy(model: str, revision: str | None = None, read_hub: bool = True
 
     if model_type == TAPM_MODEL_TYPE:
         return "tapm"
-    import storyrl  # noqa: F401
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return "vlm" if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else "causal_lm"
@@ -145,8 +143,6 @@ def load_policy(config, kind: str | None = None, path: str | None = None) -> Pol
     policy), ready for a trainer: tokenizers pad on the left, a missing pad
     token is the EOS token, a VLM's vision encoder is frozen when asked.
     Loading errors are one-line ValueErrors naming the model."""
-    import storyrl  # noqa: F401  (torchvision fallback before transformers)
-
     kind = kind or config.policy_kind()
     name = path or config.model
     revision = None if path else config.revision

@@ -79,8 +79,6 @@ def train(config: RLConfig, resume: bool = False, progress: bool = True, callbac
     (storyrl's PPO refuses them: it has no TrainerState to call them with);
     ``overwrite=True`` (keyword) replaces an earlier run in ``output_dir``
     (:func:`storyrl.training.runs.run_directory`)."""
-    import storyrl  # noqa: F401  (torchvision fallback before transformers)
-
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

@@ -36,13 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
-
 from transformers import TrainerCallback
 
 from storyrl.console import progress as progress_bar
 from storyrl.console import verbose
-from storyrl.training.rl.monitor import sample_stories, story_stats
+from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
 
 __all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
            "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "train_trl"]
@@ -51,12 +49,6 @@ logger = logging.getLogger(__name__)
 
 HISTORY = "history.jsonl"
 SAMPLES = "samples.jsonl"
-
-
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
 
 
 class StoryMonitor:
@@ -126,7 +118,7 @@ class StoryMonitor:
         totals = self.totals()
         samples = sample_stories(self._texts, [math.nan if t is None else t for t in totals], self.num_samples)
         for k, sample in enumerate(samples):
-            sample["rewards"] = {name: _finite_or_none(self._values[i][k]) for i, name in enumerate(self.names)}
+            sample["rewards"] = {name: finite_or_none(self._values[i][k]) for i, name in enumerate(self.names)}
         # The optimisation step these completions feed (history.jsonl's "step").
         step = state.global_step + 1 if state is not None else None
         if samples:
@@ -221,7 +213,7 @@ class QuietProgressCallback(TrainerCallback):
 
 
 def _line(entry: dict) -> str:
-    return json.dumps({k: _finite_or_none(v) for k, v in entry.items()}, ensure_ascii=False) + "\n"
+    return json.dumps({k: finite_or_none(v) for k, v in entry.items()}, ensure_ascii=False) + "\n"
 
 
 def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = False, progress: bool = True,

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers)
 
 import torch
 
@@ -45,6 +44,7 @@ __all__ = [
     "Rollout",
     "TapmAdapter",
     "VisionLanguageAdapter",
+    "is_tapm_policy",
     "make_adapter",
     "response_logits",
     "select_multimodal",
@@ -92,11 +92,17 @@ class Rollout:
         story = self.story
         return torch.cat([torch.nonzero(story == int(s), as_tuple=True)[0] for s in stories.tolist()])
 
+    def per_story(self, values: torch.Tensor) -> torch.Tensor:
+        """(B,) sums over each story's sequences of ``values``, per sequence
+        (N,) or per token (N, T), on the device and in the dtype of ``values``."""
+        if values.dim() == 2:
+            values = values.sum(dim=1)
+        totals = torch.zeros(self.num_stories, dtype=values.dtype, device=values.device)
+        return totals.index_add_(0, self.story.to(values.device), values)
+
     def story_token_lengths(self) -> list[int]:
         """Real response tokens per story (summed over its sequences)."""
-        totals = torch.zeros(self.num_stories, dtype=torch.long, device=self.lengths.device)
-        totals.index_add_(0, self.story, self.lengths)
-        return totals.tolist()
+        return self.per_story(self.lengths).tolist()
 
 
 def response_logits(logits: torch.Tensor, context_length: int, response_length: int) -> torch.Tensor:
@@ -225,7 +231,7 @@ class PolicyAdapter:
         if response_length is None:
             return {}
         base = model.get_base_model() if _is_peft(model) else model
-        if type(base).__name__ == "TapmModel":
+        if is_tapm_policy(base):
             base = base.decoder.get_base_model() if _is_peft(base.decoder) else base.decoder
         try:
             accepts = "logits_to_keep" in inspect.signature(base.forward).parameters
@@ -382,6 +388,13 @@ def _row_images(row: dict) -> list:
     return out
 
 
+def _block_rows(sizes: Sequence[int], blocks: Sequence[int]) -> list[int]:
+    """The row indices of ``blocks`` (in that order) of a tensor made of
+    consecutive blocks of ``sizes`` rows."""
+    starts = [0, *itertools.accumulate(sizes)]
+    return [row for block in blocks for row in range(starts[block], starts[block + 1])]
+
+
 def select_multimodal(fields: dict[str, Any], num_images: Sequence[int], seqs: list[int],
                       query_shape: tuple[int, int], response_width: int) -> dict[str, Any]:
     """The processor's extra fields for the sequences ``seqs`` of a rollout.
@@ -391,37 +404,25 @@ def select_multimodal(fields: dict[str, Any], num_images: Sequence[int], seqs: l
     and ``pixel_values`` with one row per image) are cut by ``num_images``;
     ``pixel_values`` with ``image_grid_thw`` by its patch rows, as TRL does;
     fields with one row per sequence are indexed directly."""
-    N = query_shape[0]
-    bounds = [0]
-    for n in num_images:
-        bounds.append(bounds[-1] + n)
-    total = bounds[-1]
-    image_rows = [r for s in seqs for r in range(bounds[s], bounds[s + 1])]
-    out: dict[str, Any] = {}
+    image_rows = _block_rows(num_images, seqs)
     grid = fields.get("image_grid_thw")
-    for key, value in fields.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 2 and tuple(value.shape) == tuple(query_shape):
-            width = (value.shape[0], response_width)
-            out[key] = torch.cat((value, value.new_zeros(width)), dim=1)[seqs]
-        elif key == "pixel_values" and grid is not None:
-            patches = grid.prod(dim=1).tolist()
-            starts = [0]
-            for p in patches:
-                starts.append(starts[-1] + p)
-            rows = [r for i in image_rows for r in range(starts[i], starts[i + 1])]
-            out[key] = value[rows]
-        elif value.shape[0] == total and total != N:
-            out[key] = value[image_rows]
-        elif value.shape[0] == N:
-            out[key] = value[seqs]
-        elif value.shape[0] == total:
-            out[key] = value[image_rows]
-        else:
-            raise ValueError(f"PPO: cannot split the processor's {key!r} (first dimension {value.shape[0]}) over "
-                             f"{N} prompts with {total} images")
-    return out
+    return {key: _select_field(key, value, seqs, image_rows, grid, num_images, query_shape, response_width)
+            for key, value in fields.items() if isinstance(value, torch.Tensor)}
+
+
+def _select_field(key: str, value: torch.Tensor, seqs: list[int], image_rows: list[int], grid: Any,
+                  num_images: Sequence[int], query_shape: tuple[int, int], response_width: int) -> torch.Tensor:
+    N, total = query_shape[0], sum(num_images)
+    if value.dim() == 2 and tuple(value.shape) == tuple(query_shape):
+        return torch.cat((value, value.new_zeros((N, response_width))), dim=1)[seqs]
+    if key == "pixel_values" and grid is not None:
+        return value[_block_rows(grid.prod(dim=1).tolist(), image_rows)]
+    if value.shape[0] == total and total != N:  # one row per image (a tie with the prompts: per prompt, below)
+        return value[image_rows]
+    if value.shape[0] == N:
+        return value[seqs]
+    raise ValueError(f"PPO: cannot split the processor's {key!r} (first dimension {value.shape[0]}) over "
+                     f"{N} prompts with {total} images")
 
 
 class TapmAdapter(PolicyAdapter):
@@ -523,18 +524,21 @@ class TapmAdapter(PolicyAdapter):
     def enable_gradient_checkpointing(self, policy) -> None:
         _checkpointing_on(policy.decoder)
 
-    def save(self, policy, directory: Path) -> None:
-        policy.save_pretrained(directory)
-        self.processing_class.save_pretrained(directory)
-
 
 def make_adapter(policy, processing_class, args, tapm_features: str | None = None) -> PolicyAdapter:
     """The adapter for ``policy``: TAPM, vision-language (a processor with an
     image processor) or causal LM."""
     base = policy.get_base_model() if _is_peft(policy) else policy
-    if type(base).__name__ == "TapmModel":
+    if is_tapm_policy(base):
         return TapmAdapter(processing_class, args, features=tapm_features)
     if hasattr(processing_class, "image_processor"):
         return VisionLanguageAdapter(processing_class, args, policy=base)
     return CausalLMAdapter(processing_class, args)
 
+
+def is_tapm_policy(model) -> bool:
+    """Whether ``model`` (peft-wrapped or not) is storyrl's ``TapmModel``.
+    Told by its class name: an isinstance check would import the TAPM
+    package for every policy."""
+    base = model.get_base_model() if _is_peft(model) else model
+    return type(base).__name__ == "TapmModel"

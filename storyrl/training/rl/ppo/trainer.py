@@ -93,14 +93,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before accelerate/transformers)
-
 import torch
 
 from storyrl.training.accelerators import make_accelerator
+from storyrl.training.checkpoints import load_checkpoint
 from storyrl.training.rl import monitor
 from storyrl.training.rl.ppo import math as ppo_math
-from storyrl.training.checkpoints import load_checkpoint
 from storyrl.training.rl.ppo.checkpoints import (
     RESUME_MAY_CHANGE,
     TRAINER_STATE,
@@ -109,7 +107,7 @@ from storyrl.training.rl.ppo.checkpoints import (
 )
 from storyrl.training.rl.ppo.config import PPOConfig
 from storyrl.training.rl.ppo.rewards import call_rewards, combine_scores, reward_name
-from storyrl.training.rl.ppo.rollout import Rollout, make_adapter, response_logits
+from storyrl.training.rl.ppo.rollout import Rollout, is_tapm_policy, make_adapter, response_logits
 from storyrl.training.rl.ppo.value import (
     PolicyAndValue,
     ValueHead,
@@ -151,10 +149,14 @@ class _Batch:
     train_mask: torch.Tensor  # real tokens of scorable stories
 
 
-def _finite_or_none(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def data_order_seed(seed: int, epoch: int) -> int:
+    """The seed of the permutation of the dataset for pass ``epoch`` over it."""
+    return seed * 1_000_003 + epoch
+
+
+def minibatch_order_seed(seed: int, step: int) -> int:
+    """The seed of step ``step``'s minibatch shuffles (one generator for all its PPO epochs)."""
+    return seed * 1_000_003 + 7919 * step + 1
 
 
 class PPOTrainer:
@@ -210,7 +212,7 @@ class PPOTrainer:
         device = self.accelerator.device
         set_seed(args.seed)
 
-        is_tapm = type(model).__name__ == "TapmModel"
+        is_tapm = is_tapm_policy(model)
         if processing_class is None:
             processing_class = self._load_processing_class(model, is_tapm)
         self.processing_class = processing_class
@@ -248,6 +250,9 @@ class PPOTrainer:
             raise ValueError("PPOTrainer: the model has no trainable parameter")
         optimizer = torch.optim.AdamW(params, lr=args.learning_rate, weight_decay=args.weight_decay)
         self.global_batch = args.per_device_train_batch_size * self.accelerator.num_processes
+        # Stories per minibatch and per micro-batch (one forward/backward) of a process's rollout.
+        self.minibatch_stories = args.per_device_train_batch_size // args.num_mini_batches
+        self.micro_stories = self.minibatch_stories // args.gradient_accumulation_steps
         if args.max_steps is not None:
             self.num_steps = args.max_steps
         else:
@@ -291,7 +296,7 @@ class PPOTrainer:
         # A permutation per pass, seeded by seed and pass: the rows of a step
         # follow from the step number alone (resume needs no loader state).
         if epoch not in self._orders:
-            gen = torch.Generator().manual_seed(self.args.seed * 1_000_003 + epoch)
+            gen = torch.Generator().manual_seed(data_order_seed(self.args.seed, epoch))
             self._orders = {epoch: torch.randperm(len(self.train_dataset), generator=gen).tolist()}
         return self._orders[epoch]
 
@@ -305,10 +310,6 @@ class PPOTrainer:
         return rows
 
     # -- forward passes -----------------------------------------------------------------------
-    def _micro_stories(self) -> int:
-        a = self.args
-        return a.per_device_train_batch_size // a.num_mini_batches // a.gradient_accumulation_steps
-
     def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits of the distribution the rollouts sample from: divided
         by the temperature, suppressed tokens (a VLM's image placeholders)
@@ -334,7 +335,7 @@ class PPOTrainer:
         Q = rollout.query.shape[1]
         device = rollout.response.device
         logprobs, ref_logprobs, values = (torch.zeros(N, T, device=device) for _ in range(3))
-        chunk = self._micro_stories()
+        chunk = self.micro_stories
         for start in range(0, rollout.num_stories, chunk):
             stories = torch.arange(start, min(start + chunk, rollout.num_stories), device=device)
             seqs, inputs = self.adapter.model_inputs(rollout, stories)
@@ -359,8 +360,7 @@ class PPOTrainer:
         args = self.args
         scores = raw.clone()
         if args.missing_eos_penalty is not None:
-            truncated = torch.zeros(rollout.num_stories).index_add_(0, rollout.story.cpu(),
-                                                                    (~rollout.ended).float().cpu())
+            truncated = rollout.per_story((~rollout.ended).float().cpu())
             scores = scores - args.missing_eos_penalty * truncated
         if args.use_score_scaling:
             self.moments.update(self._gather_valid(scores, valid))
@@ -402,54 +402,54 @@ class PPOTrainer:
         early stopping ended the passes."""
         from trl.trainer.utils import entropy_from_logits
 
-        args, acc = self.args, self.accelerator
+        args, accelerator = self.args, self.accelerator
         rollout = batch.rollout
         stats: dict[str, list[float]] = defaultdict(list)
         has_valid = batch.train_mask.any().float().reshape(1)
-        if acc.num_processes > 1:
-            has_valid = acc.reduce(has_valid, reduction="sum")
+        if accelerator.num_processes > 1:
+            has_valid = accelerator.reduce(has_valid, reduction="sum")
         if not has_valid.item():
             return stats, 0, False
         self.model.train()
         Q, T = rollout.query.shape[1], rollout.response.shape[1]
-        B = rollout.num_stories
-        mb, gas = B // args.num_mini_batches, args.gradient_accumulation_steps
-        micro = mb // gas
+        accumulation, minibatch, micro = args.gradient_accumulation_steps, self.minibatch_stories, self.micro_stories
         updates = 0
-        gen = torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * step + 1)
+        gen = torch.Generator().manual_seed(minibatch_order_seed(args.seed, step))
         for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(B, generator=gen).to(acc.device)
+            order = torch.randperm(rollout.num_stories, generator=gen).to(accelerator.device)
             for m in range(args.num_mini_batches):
                 kls = []
-                for k in range(gas):
-                    stories = order[m * mb + k * micro : m * mb + (k + 1) * micro]
+                for k in range(accumulation):
+                    stories = order[m * minibatch + k * micro : m * minibatch + (k + 1) * micro]
                     seqs, inputs = self.adapter.model_inputs(rollout, stories)
-                    tm = batch.train_mask[seqs]
-                    with acc.no_sync(self.model) if k < gas - 1 else nullcontext():
-                        with acc.autocast():
+                    token_mask = batch.train_mask[seqs]
+                    with accelerator.no_sync(self.model) if k < accumulation - 1 else nullcontext():
+                        with accelerator.autocast():
                             logits, vpred = self.model(inputs, Q, T)
                         new_logprobs = self._logprobs(logits, rollout.response[seqs])
                         pg_loss, pg_clipfrac, approx_kl = ppo_math.policy_loss(
-                            new_logprobs, batch.old_logprobs[seqs], batch.advantages[seqs], tm, args.cliprange)
-                        vf_loss, vf_clipfrac = ppo_math.value_loss(vpred, batch.values[seqs], batch.returns[seqs], tm,
-                                                             args.cliprange_value)
-                        acc.backward((pg_loss + args.vf_coef * vf_loss) / gas)
+                            new_logprobs, batch.old_logprobs[seqs], batch.advantages[seqs], token_mask, args.cliprange)
+                        vf_loss, vf_clipfrac = ppo_math.value_loss(vpred, batch.values[seqs], batch.returns[seqs],
+                                                                   token_mask, args.cliprange_value)
+                        accelerator.backward((pg_loss + args.vf_coef * vf_loss) / accumulation)
                     with torch.no_grad():
                         entropy = entropy_from_logits(self._tempered(logits))
-                        for key, value in (("policy/entropy", ppo_math.masked_mean(entropy, tm)),
+                        for key, value in (("policy/entropy", ppo_math.masked_mean(entropy, token_mask)),
                                            ("policy/approxkl", approx_kl), ("policy/clipfrac", pg_clipfrac),
                                            ("loss/policy", pg_loss), ("loss/value", vf_loss),
-                                           ("val/clipfrac", vf_clipfrac), ("val/vpred", ppo_math.masked_mean(vpred, tm))):
+                                           ("val/clipfrac", vf_clipfrac),
+                                           ("val/vpred", ppo_math.masked_mean(vpred, token_mask))):
                             stats[key].append(float(value))
                     kls.append(float(approx_kl))
                 minibatch_kl = sum(kls) / len(kls)
-                if acc.num_processes > 1:  # every process takes the same decision
-                    minibatch_kl = acc.reduce(torch.tensor([minibatch_kl], device=acc.device), "mean").item()
+                if accelerator.num_processes > 1:  # every process takes the same decision
+                    minibatch_kl = accelerator.reduce(torch.tensor([minibatch_kl], device=accelerator.device),
+                                                      "mean").item()
                 if args.early_stopping and minibatch_kl > 1.5 * args.target_kl:
                     self.optimizer.zero_grad(set_to_none=True)  # this minibatch's update is not applied
                     return stats, updates, True
                 if args.max_grad_norm is not None:
-                    acc.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                    accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -459,8 +459,7 @@ class PPOTrainer:
     def _step(self, step: int) -> tuple[dict[str, float], list[dict]]:
         from trl.models.utils import unwrap_model_for_generation
 
-        acc = self.accelerator
-        device = acc.device
+        device = self.accelerator.device
         timings: dict[str, float] = {}
         started = tick = time.perf_counter()
 
@@ -471,7 +470,7 @@ class PPOTrainer:
 
         rows = self._rows(step)
         self.model.eval()
-        with torch.no_grad(), unwrap_model_for_generation(self.model, acc) as unwrapped:
+        with torch.no_grad(), unwrap_model_for_generation(self.model, self.accelerator) as unwrapped:
             rollout = self.adapter.rollout(unwrapped.policy, rows)
         lap("time/generation")
         old_logprobs, ref_logprobs, values = self._evaluate(rollout)
@@ -484,14 +483,26 @@ class PPOTrainer:
         batch, kl, non_score, kl_coef = self._advantages(rollout, scores, valid.to(device), old_logprobs,
                                                          ref_logprobs, values)
         lr = self.scheduler.get_last_lr()[0]  # that of the step's first update
-        stats, updates, early_stopped = self._update(batch, step)
+        update = self._update(batch, step)
         lap("time/optimization")
 
-        B = rollout.num_stories
-        per_story = lambda x: torch.zeros(B, device=device).index_add_(0, rollout.story, x.sum(dim=1))  # noqa: E731
-        story_kl = self._gather(per_story(kl))
+        story_kl = self._gather(rollout.per_story(kl))
         self.kl_ctl.update(float(story_kl.mean()), self.global_batch)
+        metrics = self._metrics(step, rollout, rewards, raw, valid, scores, story_kl, non_score, old_logprobs,
+                                kl_coef, lr, update)
+        metrics.update(self._story_stats(rollout))
+        timings["time/step"] = time.perf_counter() - started
+        metrics.update(timings)
+        return metrics, self._samples(rollout, rewards, raw, valid)
 
+    def _metrics(self, step: int, rollout: Rollout, rewards, raw: torch.Tensor, valid: torch.Tensor,
+                 scores: torch.Tensor, story_kl: torch.Tensor, non_score: torch.Tensor, old_logprobs: torch.Tensor,
+                 kl_coef: float, lr: float, update: tuple[dict[str, list[float]], int, bool]) -> dict[str, float]:
+        """The step's reward, objective and update figures over every
+        process's stories (each collective in the same order on every
+        process); ``update`` is what :meth:`_update` returned."""
+        stats, updates, early_stopped = update
+        device = self.accelerator.device
         metrics: dict[str, float] = {}
         values_all = self._gather(rewards.values.to(device))
         for i, name in enumerate(self.reward_names):
@@ -502,7 +513,7 @@ class PPOTrainer:
         metrics.update(rewards.metrics)
         ok = self._gather(valid.to(device).float()).bool()
         raw_all = self._gather(raw.to(device))
-        story_non_score = per_story(non_score)
+        story_non_score = rollout.per_story(non_score)
         rlhf = self._gather(scores + story_non_score)
         metrics.update({
             "reward": raw_all[ok].mean().item() if ok.any() else math.nan,
@@ -510,7 +521,7 @@ class PPOTrainer:
             "ppo/truncated_frac": self._gather((~rollout.ended).float()).mean().item(),
             "objective/kl": story_kl.mean().item(),
             "objective/kl_coef": kl_coef,
-            "objective/entropy": self._gather(per_story(-old_logprobs)).mean().item(),
+            "objective/entropy": self._gather(rollout.per_story(-old_logprobs)).mean().item(),
             "objective/non_score_reward": self._gather(story_non_score).mean().item(),
             "objective/rlhf_reward": rlhf[ok].mean().item() if ok.any() else math.nan,
             "ppo/updates": float(updates),
@@ -521,20 +532,25 @@ class PPOTrainer:
         metrics["objective/scores"] = metrics["reward"]
         for key in _UPDATE_METRICS:
             metrics[key] = sum(stats[key]) / len(stats[key]) if stats[key] else math.nan
+        return metrics
+
+    def _story_stats(self, rollout: Rollout) -> dict[str, float]:
+        """Length and diversity of every process's stories (monitor.story_stats)."""
         texts, lengths = rollout.texts, rollout.story_token_lengths()
-        if acc.num_processes > 1:
+        if self.accelerator.num_processes > 1:
             from accelerate.utils import gather_object
 
             texts, lengths = gather_object(list(texts)), gather_object(list(lengths))
-        metrics.update(monitor.story_stats(texts, lengths))
-        timings["time/step"] = time.perf_counter() - started
-        metrics.update(timings)
+        return monitor.story_stats(texts, lengths)
+
+    def _samples(self, rollout: Rollout, rewards, raw: torch.Tensor, valid: torch.Tensor) -> list[dict]:
+        """This process's sample stories with their scores and the rewards' logged columns."""
         shown = [r if v else None for r, v in zip(raw.tolist(), valid.tolist())]
         samples = monitor.sample_stories(rollout.texts, shown, k=self.args.num_sample_stories)
         for column, column_values in rewards.extras.items():
             for sample, value in zip(samples, column_values):
                 sample[column] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
-        return metrics, samples
+        return samples
 
     # -- training loop -----------------------------------------------------------------------------
     def train(self, resume: bool = False, progress: bool = True) -> PPOResult:
@@ -544,14 +560,14 @@ class PPOTrainer:
         progress bar (the log lines stay)."""
         from storyrl.console import progress as progress_bar
 
-        args, acc = self.args, self.accelerator
-        main = acc.is_main_process
+        args, accelerator = self.args, self.accelerator
+        main = accelerator.is_main_process
         if resume:
             checkpoint = find_latest_checkpoint(self.output_dir)
             if checkpoint is None:
                 raise FileNotFoundError(f"resume=True but {self.output_dir} holds no checkpoint-<step>/ "
                                         f"with {TRAINER_STATE}")
-            state = load_checkpoint(acc, checkpoint, args.to_dict(), RESUME_MAY_CHANGE)  # and the next step's RNG
+            state = load_checkpoint(accelerator, checkpoint, args.to_dict(), RESUME_MAY_CHANGE)  # and the next step's RNG
             logger.info("resuming from %s (step %d)", checkpoint, state["step"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.step = int(state["step"])
@@ -566,10 +582,10 @@ class PPOTrainer:
             # Rewritten from the checkpoint: drops records of steps after it.
             for name, lines in _log_lines(self.history).items():
                 (self.output_dir / name).write_text("".join(lines), encoding="utf-8")
-        acc.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
-                                                  if isinstance(v, (int, float, str, bool))})
+        accelerator.init_trackers("storyrl-ppo", config={k: v for k, v in args.to_dict().items()
+                                                          if isinstance(v, (int, float, str, bool))})
         bar = progress_bar(total=self.num_steps, initial=self.step, desc="PPO",
-                           disable=not (progress and acc.is_local_main_process))
+                           disable=not (progress and accelerator.is_local_main_process))
         scored = any(isinstance(r.get("reward"), (int, float)) for r in self.history)  # before a resume
         try:
             while self.step < self.num_steps:
@@ -593,19 +609,19 @@ class PPOTrainer:
                     state = {"step": self.step, "kl_coef": self.kl_ctl.value, "moments": self.moments.state_dict(),
                              "scheduler": self.scheduler.state_dict(), "history": self.history,
                              "config": args.to_dict()}
-                    save_checkpoint(acc, self.output_dir, self.step, state, keep=args.save_total_limit)
+                    save_checkpoint(accelerator, self.output_dir, self.step, state, keep=args.save_total_limit)
         finally:
             bar.close()
-            # Not acc.end_training(): it also destroys the process group, and
+            # Not accelerator.end_training(): it also destroys the process group, and
             # save_model() after train() still synchronises the processes.
-            for tracker in acc.trackers:
+            for tracker in accelerator.trackers:
                 tracker.finish()
         return PPOResult(steps=self.step, history=list(self.history), output_dir=str(self.output_dir))
 
     def _log(self, metrics: dict[str, float], samples: list[dict]) -> None:
         """history.jsonl (scalars), samples.jsonl (sample stories), as GRPO and
         RLOO write them; the trackers (scalars) and the console."""
-        record = {"step": self.step, **{k: _finite_or_none(v) for k, v in metrics.items()}, "samples": samples}
+        record = {"step": self.step, **{k: monitor.finite_or_none(v) for k, v in metrics.items()}, "samples": samples}
         self.history.append(record)
         self.accelerator.log({k: v for k, v in metrics.items() if math.isfinite(v)}, step=self.step)
         if not self.accelerator.is_main_process:

@@ -23,8 +23,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import storyrl  # noqa: F401  (CPU-only torchvision fallback before transformers)
-
 import torch
 from torch import nn
 
