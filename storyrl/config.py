@@ -402,7 +402,7 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Plain values (nested configs as mappings) that ``from_mapping``
         reads back."""
-        return {info.name: _plain(getattr(self, info.name)) for info in option_info(type(self))}
+        return {info.name: _configs_as_dicts(getattr(self, info.name)) for info in option_info(type(self))}
 
     def to_yaml(self, path: str | os.PathLike) -> None:
         """Write the options so that :meth:`from_yaml` reads them back."""
@@ -442,16 +442,17 @@ def _dataclass_from_mapping(tp: type, value: Mapping[str, Any]) -> Any:
         raise TypeError(f"{tp.__name__}: {exc}") from None
 
 
-def _plain(value: Any) -> Any:
+def _configs_as_dicts(value: Any) -> Any:
+    """``value`` with every config in it (storyrl's or a foreign dataclass) as a dict."""
     if isinstance(value, Config):
         return value.to_dict()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         # Foreign configs know best how to serialise themselves (TrainingArguments.to_dict).
         return value.to_dict() if callable(getattr(value, "to_dict", None)) else dataclasses.asdict(value)
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [_configs_as_dicts(v) for v in value]
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: _configs_as_dicts(v) for k, v in value.items()}
     return value
 
 

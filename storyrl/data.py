@@ -230,6 +230,13 @@ class ScoreTable:
         self.scores.update(other.scores)
         return self
 
+    def restricted(self, ids: Sequence[str]) -> ScoreTable:
+        """A table of the rows of ``ids`` only, in that order (ids it lacks
+        are left out): a file may hold rows of a run with a larger limit."""
+        present = set(self.ids)
+        keep = [sid for sid in ids if sid in present]
+        return ScoreTable(keep, {m: {sid: col[sid] for sid in keep if sid in col} for m, col in self.scores.items()})
+
 
 def _parse_score(value: str, path: Path, record: str, metric: str) -> float:
     value = value.strip()

@@ -563,10 +563,6 @@ def check(reqs: Requirements) -> Requirements:
 # -- fetching --------------------------------------------------------------------------
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
 def _fetch_hub(piece: Piece) -> None:
     from huggingface_hub import snapshot_download
 
@@ -606,6 +602,8 @@ def fetch(reqs: Requirements, report: Callable[[str], None] | None = None) -> Re
     can be gigabytes the paper's setup does not use). A failure is recorded
     on its piece (``fetch_error``), never raised. ``report(line)`` is told
     what is being fetched (downloads take minutes). Then check again."""
+    from storyrl.rewards.base import one_line
+
     for piece in reqs.pieces:
         if piece.present is None:
             _check(piece)
@@ -618,5 +616,5 @@ def fetch(reqs: Requirements, report: Callable[[str], None] | None = None) -> Re
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - reported per piece, the others still run
-            piece.fetch_error = _one_line(exc)
+            piece.fetch_error = one_line(exc)
     return check(reqs)

@@ -96,7 +96,7 @@ class Variant:
         return self.directory / "variant.json"
 
 
-def _plain(value: Any) -> Any:
+def _json_comparable(value: Any) -> Any:
     """JSON-comparable (what variant.json reads back)."""
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
@@ -122,7 +122,7 @@ def plan_variants(config: AblationConfig) -> list[Variant]:
     base = _base_train(config)
     variants = []
     for name, overrides in config.variants.items():
-        options = _plain({**base, **overrides})
+        options = _json_comparable({**base, **overrides})
         options.pop("output_dir", None)  # each variant trains in its own directory
         variants.append(Variant(name, out / name, {"train": options}, train_options=options))
     return variants
@@ -259,6 +259,7 @@ def _generated(variant: Variant, ids: Sequence[str]) -> bool:
 def _generate(variant: Variant, rl_config: Any, records: list[StoryRecord], config: AblationEval, progress: bool,
               inputs: dict) -> None:
     from storyrl.generators.runs import generate_to_file
+    from storyrl.models.runtime import free_memory
 
     if _generated(variant, [r.story_id for r in records]):
         return
@@ -269,17 +270,7 @@ def _generate(variant: Variant, rl_config: Any, records: list[StoryRecord], conf
     generator.rl_config = rl_config
     generate_to_file(generator, records, variant.stories, resume=True, progress=progress, inputs=inputs)
     del generator
-    _release()
-
-
-def _release() -> None:
-    """Free the policy just used before the next variant trains."""
-    import gc
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    free_memory()  # the policy just used, before the next variant trains (the reward models stay)
 
 
 # -- scoring and the table ----------------------------------------------------------
@@ -290,12 +281,6 @@ def _human(record: StoryRecord) -> StoryRecord:
     if record.reference and record.reference.strip():
         return replace(record, story=record.reference, reference=None, noun_phrases=None)
     return replace(record, reference=None)
-
-
-def _restrict(table: ScoreTable, ids: Sequence[str]) -> ScoreTable:
-    present = set(table.ids)
-    keep = [sid for sid in ids if sid in present]
-    return ScoreTable(keep, {m: {sid: col[sid] for sid in keep if sid in col} for m, col in table.scores.items()})
 
 
 def _means(table: ScoreTable, metrics: Sequence[str]) -> dict[str, float]:
@@ -310,7 +295,7 @@ def _check_metrics(out: Path, metrics: list, overwrite: bool) -> bool:
     """Whether every score file must be rescored: the metrics' options
     recorded in ``metrics.json`` differ from the config's (an error without
     ``overwrite``). A first run records them at once."""
-    now = {"metrics": _plain({m.name: m.config() for m in metrics})}
+    now = {"metrics": _json_comparable({m.name: m.config() for m in metrics})}
     before = _read_json(out / "metrics.json")
     if before is None:
         _write_json(out / "metrics.json", now)
@@ -392,20 +377,20 @@ def _run_locked(config: AblationConfig, variants: list[Variant], chosen: set[str
         if not any(r.story.strip() for r in human_records):
             raise ValueError(f"{ev.data}: the records have no human stories; give eval.human_scores")
         human = _score(metrics, human_records, out / "human_scores.csv", rescore, ev, progress, "the human stories")
-    human = _restrict(human, ids)
+    human = human.restricted(ids)
 
     rows = []
     for variant in done:
         stories = _stories(variant)
         generated = [StoryRecord(r.story_id, stories[r.story_id], images=r.images, image_ids=r.image_ids,
                                  reference=h.story) for r, h in zip(records, human_records) if r.story_id in stories]
-        table = _restrict(_score(metrics, generated, variant.scores, rescore, ev, progress, variant.name), ids)
+        table = _score(metrics, generated, variant.scores, rescore, ev, progress, variant.name).restricted(ids)
         result = dhm(human, table, dims)
         rows.append(VariantResult(variant.name, len(records), len(generated), len(records) - len(generated),
                                   len(generated) - result.n, result.n, _means(table, metric_names),
                                   result.distances, result.d_hm))
     if rescore:  # every score file now holds the new metrics' scores
-        _write_json(out / "metrics.json", {"metrics": _plain({m.name: m.config() for m in metrics})})
+        _write_json(out / "metrics.json", {"metrics": _json_comparable({m.name: m.config() for m in metrics})})
     human_row = VariantResult(HUMAN, len(records), len(human.ids), len(records) - len(human.ids), 0, len(human.ids),
                               _means(human, metric_names))
     result = AblationResult(rows, human_row, metric_names, [DHM_DIMENSIONS[d][0] for d in dims])

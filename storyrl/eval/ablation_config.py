@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from storyrl.config import Config, ConfigError, load_yaml, option
+from storyrl.datasets import DATA_FORMATS
 
 __all__ = ["HUMAN", "AblationConfig", "AblationEval"]
 
 #: Label of the human stories' row in the table (no variant may take it).
 HUMAN = "human"
 
-_DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # labels become directory names
 #: Variants change only the reward: RL options whose name says so (rewards, reward_weights, ...).
 _REWARD_OPTION = re.compile(r"reward")
@@ -34,7 +34,7 @@ class AblationEval(Config):
     metrics: list[str | dict[str, Any]] = option(
         help="Metrics to score every story with: a reward config file, a reward name, or {reward: name, ...}.",
         cli=False)
-    data_format: str = option("auto", "Format of data.", choices=_DATA_FORMATS)
+    data_format: str = option("auto", "Format of data.", choices=DATA_FORMATS)
     image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
                                     path="dir")
     dimensions: list[str] | None = option(None, "d_HM dimensions (groovist, coherence, repetition); default: "

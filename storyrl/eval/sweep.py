@@ -31,7 +31,6 @@ not continued by a multi-process run (its shards start afresh).
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -43,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from storyrl.config import Config, option
-from storyrl.data import ScoreTable, StoryRecord
-from storyrl.datasets import load_some_records
+from storyrl.data import StoryRecord
+from storyrl.datasets import DATA_FORMATS, load_some_records
 from storyrl.eval.sweep_shards import Processes, merge_shards, processes, shard_path
 
 __all__ = ["Cell", "CellResult", "SweepConfig", "SweepModel", "SweepResult", "merge_shards", "plan_cells",
@@ -52,7 +51,6 @@ __all__ = ["Cell", "CellResult", "SweepConfig", "SweepModel", "SweepResult", "me
 
 #: Setting / prompt label of a generator that has no such option (TAPM).
 NONE = "-"
-_DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # labels become directory names
 
 
@@ -84,7 +82,7 @@ class SweepConfig(Config):
                        "CSV; the human stories are the records' stories.", path="file")
     output_dir: str = option(help="Directory of the cells, score files and tables.")
     models: list[SweepModel] = option(help="The models: name, generator, options, settings, prompts.", cli=False)
-    data_format: str = option("auto", "Format of data.", choices=_DATA_FORMATS)
+    data_format: str = option("auto", "Format of data.", choices=DATA_FORMATS)
     image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in "
                                     "(given to generators and rewards that do not set their own).", path="dir")
     limit: int | None = option(None, "Only the first N stories of data.", min=1)
@@ -304,8 +302,12 @@ def _generate_cells(cells: list[Cell], records: list[StoryRecord], procs: Proces
                     merge_shards(cell.stories, [shard_path(cell.stories, r, procs.world) for r in range(procs.world)],
                                  records)
             del generator
-        if todo:
-            _release()
+        if todo:  # the model just used, before the next one loads
+            from storyrl.models import release_models
+            from storyrl.models.runtime import free_memory
+
+            release_models()
+            free_memory()
 
 
 def _declared(cell: Cell) -> set[str]:
@@ -313,17 +315,6 @@ def _declared(cell: Cell) -> set[str]:
     from storyrl.generators import GENERATORS
 
     return {info.name for info in option_info(GENERATORS.get(cell.generator).config_class)}
-
-
-def _release() -> None:
-    """Free the model just used before the next one loads."""
-    from storyrl.models import release_models
-
-    release_models()
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # -- scoring and d_HM -------------------------------------------------------------------
@@ -352,13 +343,6 @@ def _make_rewards(config: SweepConfig, source: str) -> list:
             raise ValueError(f"{source}: rewards.{key}: the config is a {reward.name!r} reward, not {key!r}")
         rewards.append(reward)
     return rewards
-
-
-def _restrict(table: ScoreTable, ids: Sequence[str]) -> ScoreTable:
-    """The table's rows for these ids only (a file may hold rows of a run with a larger limit)."""
-    present = set(table.ids)
-    keep = [sid for sid in ids if sid in present]
-    return ScoreTable(keep, {m: {sid: col[sid] for sid in keep if sid in col} for m, col in table.scores.items()})
 
 
 @dataclass
@@ -440,7 +424,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
             score_to_file(rewards, records, out / "human_scores.csv", resume=True,
                           batch_size=config.score_batch_size, progress=progress)
             human = read_scores(out / "human_scores.csv")
-        human = _restrict(human, ids)
+        human = human.restricted(ids)
         results = []
         for cell in cells:
             stories = json.loads(cell.stories.read_text(encoding="utf-8"))
@@ -451,7 +435,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
                 print(f"sweep: scoring {cell.label}", file=sys.stderr)
             score_to_file(rewards, generated, cell.scores, resume=True, batch_size=config.score_batch_size,
                           progress=progress)
-            result = dhm(human, _restrict(read_scores(cell.scores), ids), metrics)
+            result = dhm(human, read_scores(cell.scores).restricted(ids), metrics)
             failures = sum(1 for sid in meta.get("failures", {}) if sid in id_set)
             results.append(CellResult(cell.model, cell.setting, cell.prompt, len(records), len(generated), failures,
                                       len(generated) - result.n, result.n, result.distances, result.d_hm))

@@ -9,10 +9,10 @@ torch is imported only by :func:`resolve_device` and :func:`resolve_dtype`.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
-
 
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 
@@ -59,3 +59,14 @@ def release_models() -> None:
     """Forget every loaded model and its caches (frees memory)."""
     with _SHARED_LOCK:
         _SHARED.clear()
+
+
+def free_memory() -> None:
+    """Collect garbage and hand CUDA's cached blocks back (after dropping a
+    model; :func:`release_models` forgets the shared ones first)."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()

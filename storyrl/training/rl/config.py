@@ -35,6 +35,7 @@ from typing import Any
 from trl import GRPOConfig, RLOOConfig
 
 from storyrl.config import Config, check_type, option
+from storyrl.datasets import DATA_FORMATS
 from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
 from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
@@ -44,7 +45,6 @@ __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "Lo
 POLICIES = ("auto", "causal_lm", "vlm", "tapm")
 #: How the policy sees the image sequence (see RLConfig.setting).
 SETTINGS = ("auto", "visual", "separate", "text")
-_DATA_FORMATS = ("auto", "records", "vist-sis", "vwp")  # storyrl.datasets.DATA_FORMATS (kept import-light)
 #: Run-level keys set at the top level and copied into the algorithm's config.
 FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
 # Attribute on a built nested config holding the keys the user gave (what is saved).
@@ -141,7 +141,7 @@ class RLConfig(Config):
     # -- data and prompts -----------------------------------------------------------
     data: str = option(help="Image sequences with their human stories: VIST story-in-sequence JSON, VWP CSV or "
                        "storyrl JSONL records.", path="file")
-    data_format: str = option("auto", "Format of data.", choices=_DATA_FORMATS)
+    data_format: str = option("auto", "Format of data.", choices=DATA_FORMATS)
     image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
                                     path="dir")
     limit: int | None = option(None, "Only the first N sequences of data.", min=1)

@@ -100,7 +100,7 @@ def detect_policy(model: str, revision: str | None = None, read_hub: bool = True
     return "vlm" if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES else "causal_lm"
 
 
-def resolve_dtype(precision: str):
+def training_dtype(precision: str):
     """auto = bf16 on a CUDA GPU that supports it, else fp32 (training wants
     no fp16 weights)."""
     import torch
@@ -146,7 +146,7 @@ def load_policy(config, kind: str | None = None, path: str | None = None) -> Pol
     kind = kind or config.policy_kind()
     name = path or config.model
     revision = None if path else config.revision
-    dtype = resolve_dtype(config.precision)
+    dtype = training_dtype(config.precision)
     require_hub_model(name, what="policy model", hint=POLICY_HINT)
     try:
         if kind == "tapm":
