@@ -6,6 +6,9 @@
   algorithm's own config as a nested mapping (storyrl's ``PPOConfig``, TRL's
   ``GRPOConfig`` / ``RLOOConfig``); run-level keys (output_dir, seed,
   max_steps, report_to, reward_weights) are set once at the top level.
+  :data:`~storyrl.training.rl.config.ALGORITHMS` is the one table of the
+  algorithms (config class, run function), read by the choices, the nested
+  keys and the dispatch of :func:`~storyrl.training.rl.train.train`.
 * :mod:`~storyrl.training.rl.policy`: loading policies -- any transformers
   causal LM, vision-language models (LLaVA-NeXT-style, conversational
   prompts with the sequence's images) and storyrl's TAPM-style generator;
@@ -18,8 +21,10 @@
 * :mod:`~storyrl.training.rl.trl_trainers`: GRPO and RLOO through TRL's
   trainers with storyrl rewards as reward functions and the story monitor.
 * :mod:`~storyrl.training.rl.ppo`: PPO on accelerate (TRL 1.16 has none),
-  its config (:mod:`~storyrl.training.rl.ppo.config`), pure math
-  (:mod:`~storyrl.training.rl.ppo.math`), rollouts and value models.
+  a subpackage: its config (:mod:`~storyrl.training.rl.ppo.config`), the
+  trainer (:mod:`~storyrl.training.rl.ppo.trainer`), pure math
+  (:mod:`~storyrl.training.rl.ppo.math`), rollouts, value models, reward
+  calls and checkpoints.
 * :mod:`~storyrl.training.rl.monitor`: the signs of reward hacking logged at
   every step (story length, distinct-n, sample stories; KL from the
   trainers, unscorable fractions from the rewards).
