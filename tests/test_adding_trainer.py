@@ -84,17 +84,14 @@ def test_the_readme_trainer_is_a_storyrl_train_command(sft, tmp_path):
     assert result.exit_code == 2 and "--max-steps" in result.output  # the option's bound, from the dataclass
 
 
-def test_a_result_without_summary_is_refused_in_one_line(tmp_path):
-    from storyrl.training import Trainer
-
-    @dataclasses.dataclass
-    class Config_:
-        output_dir: str
-
-    def train(config, resume=False, progress=True):
-        return {"steps": 1}
-
-    with pytest.raises(TypeError) as caught:
-        Trainer(Config_, train).run(Config_(str(tmp_path / "run")), progress=False)
-    assert "returned dict, which has no summary()" in str(caught.value)
-    assert "\n" not in str(caught.value)
+def test_a_result_without_summary_is_refused_in_one_line(sft, tmp_path):
+    module, _ = sft
+    module.TRAINER = dataclasses.replace(module.TRAINER, train=lambda config, resume=False, progress=True: {"steps": 1})
+    data = tmp_path / "stories.jsonl"
+    data.write_text(json.dumps({"story_id": "s1", "story": "We went to the sea."}) + "\n", encoding="utf-8")
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model: tiny\ndata: {data}\noutput_dir: {tmp_path / 'run'}\n", encoding="utf-8")
+    result = CliRunner().invoke(main, ["train", "sft", "--config", str(config), "-q"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: trainer sft: its train function returned dict, which has no summary() (storyrl.training.TrainResult)"]

@@ -63,6 +63,8 @@ def _train_command(name: str, description: str) -> click.Command:
         return config_options(trainer().config_class, own)
 
     def command(config_path, resume, overwrite, quiet, **values) -> None:
+        from storyrl.training import TrainResult
+
         if resume and overwrite:
             _fail("--resume and --overwrite exclude each other", 2)
         entry = trainer()
@@ -71,6 +73,9 @@ def _train_command(name: str, description: str) -> click.Command:
             result = entry.run(config, resume=resume, progress=not quiet, overwrite=overwrite)
         except (FileNotFoundError, ValueError) as exc:
             _fail(str(exc))
+        if not isinstance(result, TrainResult):
+            _fail(f"trainer {name}: its train function returned {type(result).__name__}, which has no summary() "
+                  f"(storyrl.training.TrainResult)")
         click.echo(_json(result.summary()))
 
     def help_text() -> str:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from storyrl.registry import Registry
 
 __all__ = ["TRAINERS", "TrainResult", "Trainer"]
 
 
+@runtime_checkable
 class TrainResult(Protocol):
     """What every train function returns: ``summary()`` is the JSON line
     ``storyrl train <name>`` prints (:class:`storyrl.training.loop.FitResult`,
@@ -50,11 +51,7 @@ class Trainer:
         from storyrl.training.runs import guarded
 
         train = self.train if getattr(self.train, "storyrl_guarded", False) else guarded(self.train)
-        result = train(config, resume=resume, progress=progress, overwrite=overwrite)
-        if not callable(getattr(result, "summary", None)):
-            raise TypeError(f"trainer {self.train.__module__}.{self.train.__qualname__} returned "
-                            f"{type(result).__name__}, which has no summary() (see storyrl.training.TrainResult)")
-        return result
+        return train(config, resume=resume, progress=progress, overwrite=overwrite)
 
 
 TRAINERS: Registry[Trainer] = Registry("trainer")
