@@ -7,7 +7,8 @@ from __future__ import annotations
 import click
 
 from storyrl.cli.common import _FILE, _fail, _json
-from storyrl.cli.config_options import GeneratedOptionsCommand, config_options, given
+from storyrl.cli.config_options import GeneratedOptionsCommand, config_options, expressible, given
+from storyrl.config import option_info
 
 
 class _TrainerGroup(click.Group):
@@ -79,9 +80,11 @@ def _train_command(name: str, description: str) -> click.Command:
         click.echo(_json(result.summary()))
 
     def help_text() -> str:
+        entry = trainer()
+        file_only = [f"{info.name}:" for info in option_info(entry.config_class) if not expressible(info)]
+        nested = f" (keys only the file sets: {', '.join(file_only)})" if file_only else ""
         return (f"{description} Trains from a config YAML; every top-level config key can also be given as an "
-                f"option, which wins over the file (nested mappings such as grpo:, ppo:, rloo:, lora: only in the "
-                f"file). {trainer().outputs}")
+                f"option, which wins over the file{nested}. {entry.outputs}")
 
     def trainer_params() -> list[click.Parameter]:
         entry = trainer()
