@@ -168,3 +168,20 @@ def test_a_sweep_cell_whose_pair_is_not_whole_is_not_reused(tmp_path, monkeypatc
     assert not _generated(cell, ids)
     generate_to_file(_Upper(batch_size=3), _records(), cell.stories, resume=True, progress=False)
     assert _generated(cell, ids)
+
+
+def test_a_sidecar_written_before_digests_were_recorded_counts_as_whole(tmp_path):
+    # Cells generated before stories_sha256 existed must be reused, not regenerated.
+    from storyrl.eval.sweep import Cell, _generated
+    from storyrl.generators.runs import pair_is_whole
+
+    cell = Cell("m", "visual", "P1", "test_runs_upper", {}, tmp_path / "cell")
+    ids = [r.story_id for r in _records()]
+    generate_to_file(_Upper(batch_size=3), _records(), cell.stories, progress=False)
+    meta = json.loads(sidecar_path(cell.stories).read_text())
+    old = {k: v for k, v in meta.items() if k != "stories_sha256"}
+    sidecar_path(cell.stories).write_text(json.dumps(old))
+    text = cell.stories.read_text()
+    assert pair_is_whole(old, text) and pair_is_whole(meta, text)
+    assert not pair_is_whole(meta, text + " ")
+    assert _generated(cell, ids)

@@ -228,3 +228,28 @@ def test_yaml_aliases_within_the_bound_still_work(tmp_path):
     path.write_text("base: &b {lr: 0.1, steps: [1, 2]}\nrun: {<<: *b, steps: [3]}\nother: *b\n", encoding="utf-8")
     assert load_yaml(path) == {"base": {"lr": 0.1, "steps": [1, 2]}, "run": {"lr": 0.1, "steps": [3]},
                                "other": {"lr": 0.1, "steps": [1, 2]}}
+
+
+def test_a_large_yaml_without_aliases_is_not_refused(tmp_path):
+    # The bound counts only what aliases add beyond the document's own values.
+    path = tmp_path / "big.yaml"
+    path.write_text("values: [" + ",".join(["1"] * 120_000) + "]\n", encoding="utf-8")
+    assert len(load_yaml(path)["values"]) == 120_000
+
+
+def test_json_errors_point_at_the_fault_past_escaped_quotes_and_legal_long_numbers():
+    from storyrl.input_text import json_loads
+
+    limit = sys.get_int_max_str_digits()
+    deep = "[" * 100_000 + "]" * 100_000
+    text = '{"a": "x\\"[[[", "b": ' + deep + "}"
+    with pytest.raises(json.JSONDecodeError) as info:
+        json_loads(text)
+    # where the nesting first reaches its greatest depth: the last "[" of b's run,
+    # not shifted by the brackets inside the string
+    assert info.value.pos == text.index('"b": ') + len('"b": ') + 100_000 - 1
+    legal = "9" * limit
+    text = '{"a": ' + legal + ', "b": ' + "1" * DIGITS + "}"
+    with pytest.raises(json.JSONDecodeError) as info:
+        json_loads(text)
+    assert info.value.pos == text.index(", \"b\"") + len(', "b": ')

@@ -292,6 +292,10 @@ def test_shards_merge_into_the_cell_in_record_order(tmp_path):
     assert saved == meta and meta["complete"] is True and meta["shards"] == 2
     assert meta["counts"] == {"records": 5, "stories": 4, "failures": 1} and meta["failures"] == {"s2": "ValueError: bad image"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stories.json", "stories.meta.json"]
+    # the digest is the merged file's, so the next sweep reuses the cell
+    from storyrl.generators.runs import pair_is_whole, text_sha256
+
+    assert meta["stories_sha256"] == text_sha256(out.read_text()) and pair_is_whole(meta, out.read_text())
 
 
 @pytest.mark.parametrize("case", ["incomplete", "missing", "twice"])
