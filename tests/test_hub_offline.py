@@ -144,3 +144,48 @@ def test_groovist_calibrate_offline_fails_before_any_work(monkeypatch, probe, tm
     line = _one_error(CliRunner().invoke(main, args, env={"HF_HUB_OFFLINE": "1"}))
     assert "CLIP model 'ViT-B-32' (pretrained='openai')" in line and "--clip-pretrained FILE" in line
     assert creates == [] and probe == [] and calibrations == []  # checked at setup, before the calibration starts
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "on", "ON", "True", " 1 "])
+def test_offline_env_spellings_set_at_runtime_skip_the_probe(monkeypatch, value):
+    # huggingface_hub reads HF_HUB_OFFLINE once at import; a value set later must still count
+    calls = []
+    monkeypatch.setattr(hub, "_probe", lambda url, timeout=hub.PROBE_TIMEOUT_S: calls.append(url) or True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", value)
+    hub._reset()
+    try:
+        assert hub.hub_reachable() is False
+        assert calls == []
+    finally:
+        hub._reset()
+
+
+def test_an_empty_snapshot_directory_is_not_cached(monkeypatch, probe, tmp_path):
+    # an interrupted download leaves the folders without files: the model is not there
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "models--org--name"
+    (folder / "snapshots" / "abc123").mkdir(parents=True)
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(hub, "_cache_dir", lambda: tmp_path)
+    assert hub.in_cache("org/name") is False
+    with pytest.raises(hub.HubUnreachableError, match="'org/name'"):
+        hub.require_hub_model("org/name")
+    (folder / "snapshots" / "abc123" / "config.json").write_text("{}")
+    assert hub.in_cache("org/name") is True
+    hub.require_hub_model("org/name")
+
+
+def test_open_clip_hub_id_is_the_repo_not_the_file():
+    # open_clip's hf_hub for ViTamin-S/datacomp1b is "jienengchen/ViTamin-S/pytorch_model.bin"
+    import storyrl  # noqa: F401  (torchvision fallback before open_clip)
+
+    assert hub.open_clip_hub_id("ViTamin-S", "datacomp1b") == "jienengchen/ViTamin-S"
+    assert hub.open_clip_hub_id("ViT-B-32", "openai") == "timm/vit_base_patch32_clip_224.openai"
+
+
+def test_timm_hub_id_drops_the_revision():
+    assert hub.timm_hub_id("hf-hub:org/name@rev") == "org/name"
+    assert hub.timm_hub_id("hf_hub:org/name@v1.0") == "org/name"
+    assert hub.timm_hub_id("hf-hub:org/name") == "org/name"
