@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storyrl.models.hub import hub_reachable, in_cache, open_clip_hub_id
+from storyrl.models.hub import hub_reachable, in_cache, looks_like_repo_id, open_clip_hub_id
 
 __all__ = [
     "PAPER_REWARDS",
@@ -148,8 +148,9 @@ def _gpu_piece(required: bool) -> Piece:
 
 
 def _pathlike(name: str) -> bool:
-    """A local path, not a hub repo id ("org/name" or a bare legacy name)."""
-    return Path(name).expanduser().exists() or name.startswith((".", "/", "~")) or name.count("/") > 1
+    """A local path, not a hub repo id ("org/name" or a bare legacy name):
+    the rule :func:`~storyrl.models.hub.require_hub_model` follows."""
+    return Path(name).expanduser().exists() or not looks_like_repo_id(name)
 
 
 def _model_piece(name: str, label: str, hint: str | None, required: bool) -> Piece:

@@ -303,3 +303,73 @@ def test_bad_names_and_configs(env, tmp_path):
         assert result.output.count("\n") == 1 and str(bad) in result.output and message in result.output, \
             result.output
     assert run("--config", str(tmp_path / "absent.yaml")).exit_code == 2  # click's own usage error
+
+
+def test_fetch_leaves_optional_pieces_alone(env, monkeypatch):
+    # optional pieces can be gigabytes the paper's setup does not use
+    fetched = []
+    monkeypatch.setitem(lib._FETCHERS, "hub", lambda piece: fetched.append(("hub", piece.target)))
+    monkeypatch.setitem(lib._FETCHERS, "asset", lambda piece: fetched.append(("asset", piece.target)))
+    reqs = lib.Requirements()
+    reqs.add(lib.Piece("hub", "org/optional", "an optional model", "hf download org/optional", False), "x")
+    reqs.add(lib.Piece("hub", "org/required", "a required model", "hf download org/required", True), "y")
+    reqs.add(lib.Piece("asset", "all_pronouns.txt", "pronouns", "storyrl assets", False), "x")
+    lib.fetch(reqs)
+    assert fetched == [("hub", "org/required")]
+    optional = next(p for p in reqs.pieces if p.target == "org/optional")
+    assert optional.present is False and optional.fetch_error is None
+
+
+def test_groovist_concreteness_file_replaces_the_asset(env, tmp_path):
+    (tmp_path / "my.csv").write_text("Word;Conc.M\ndog;4.9\n")
+    config = tmp_path / "g.yaml"
+    config.write_text("reward: groovist\nweighting: concreteness\nconcreteness: my.csv\n")
+    _, found = pieces("--config", str(config))
+    assert ("asset", "concreteness_ratings.csv") not in found
+    assert found[("path", "my.csv")]["present"] and found[("path", "my.csv")]["required"]
+    assert ("asset", "all_pronouns.txt") in found  # the pronoun list still comes from the asset cache
+    # without the file, the asset is what is needed
+    config.write_text("reward: groovist\nweighting: concreteness\n")
+    _, found = pieces("--config", str(config))
+    assert found[("asset", "concreteness_ratings.csv")]["required"]
+
+
+def test_clip_local_dir_is_a_missing_directory(env, tmp_path):
+    config = tmp_path / "g.yaml"
+    config.write_text("reward: groovist\nclip_model: local-dir:/nonexistent\n")
+    code, found = pieces("--config", str(config))
+    assert code == 1
+    piece = found[("path", "/nonexistent")]
+    assert piece["required"] and not piece["present"]
+    assert piece["where"] == "no such file or directory: /nonexistent"
+    assert not any(kind == "package" for kind, _ in found)  # not an optional "cannot be checked" row
+    assert ("hub", CLIP) not in found
+
+
+def test_three_segment_model_path_is_a_missing_path_not_a_hub_repo(env, tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("reward: coherence\nmodel: models/x/y\n")
+    code, found = pieces("--config", str(config))
+    assert code == 1
+    piece = found[("path", "models/x/y")]
+    assert piece["required"] and not piece["present"]
+    assert piece["get"] == "storyrl train coherence --config configs/training/coherence.yaml"
+    assert ("hub", "models/x/y") not in found
+    # and an "org/name" base model is a hub repo
+    config.write_text("reward: coherence\nmodel: models/x/y\nbase_model: org/albert\n")
+    _, found = pieces("--config", str(config))
+    assert found[("hub", "org/albert")]["get"] == "hf download org/albert"
+
+
+def test_rl_config_without_model_needs_the_default_policy(env, tmp_path):
+    from storyrl.models.vlm import DEFAULT_VLM
+
+    rl = tmp_path / "rl.yaml"
+    rl.write_text("algorithm: grpo\noutput_dir: out\ndata: vist/train.json\nrewards: [repetition]\n")
+    code, found = pieces("--config", str(rl))
+    assert code == 1
+    policy = found[("hub", DEFAULT_VLM)]
+    assert policy["required"] and not policy["present"] and policy["needed_by"] == ["rl.yaml"]
+    cache_model(env["cache"], DEFAULT_VLM)
+    _, found = pieces("--config", str(rl))
+    assert found[("hub", DEFAULT_VLM)]["present"]
