@@ -58,8 +58,8 @@ def _cpu_processes(args, defaults) -> int:
     if num_processes <= 1 or args.mpirun_hostfile is not None:
         return 0
     on_cpu = args.cpu or not torch.cuda.is_available()
-    if defaults is not None:
-        on_cpu = on_cpu or bool(getattr(defaults, "use_cpu", False)) or str(defaults.distributed_type) == "MULTI_CPU"
+    if defaults is not None:  # DistributedType is a str enum: compare its value, not str() ("DistributedType.X")
+        on_cpu = on_cpu or bool(getattr(defaults, "use_cpu", False)) or defaults.distributed_type == "MULTI_CPU"
     if not on_cpu:
         return 0
     num_machines = args.num_machines or (defaults.num_machines if defaults is not None else None) or 1
