@@ -347,18 +347,22 @@ def test_clip_local_dir_is_a_missing_directory(env, tmp_path):
 
 
 def test_three_segment_model_path_is_a_missing_path_not_a_hub_repo(env, tmp_path):
-    config = tmp_path / "c.yaml"
-    config.write_text("reward: coherence\nmodel: models/x/y\n")
+    # vrank's model option may be a hub repo id or a directory: "models/x/y" cannot be a repo id
+    config = tmp_path / "v.yaml"
+    config.write_text("reward: vrank\nmodel: models/x/y\n")
     code, found = pieces("--config", str(config))
     assert code == 1
     piece = found[("path", "models/x/y")]
     assert piece["required"] and not piece["present"]
-    assert piece["get"] == "storyrl train coherence --config configs/training/coherence.yaml"
+    assert piece["get"] == "storyrl train vrank --config configs/training/vrank.yaml"
     assert ("hub", "models/x/y") not in found
-    # and an "org/name" base model is a hub repo
-    config.write_text("reward: coherence\nmodel: models/x/y\nbase_model: org/albert\n")
+    # the same for a base model; "org/name" is a hub repo
+    config.write_text("reward: coherence\nmodel: runs/coh\nbase_model: models/x/y\n")
     _, found = pieces("--config", str(config))
-    assert found[("hub", "org/albert")]["get"] == "hf download org/albert"
+    assert not found[("path", "models/x/y")]["present"] and ("hub", "models/x/y") not in found
+    config.write_text("reward: vrank\nmodel: org/vrank\n")
+    _, found = pieces("--config", str(config))
+    assert found[("hub", "org/vrank")]["get"] == "hf download org/vrank"
 
 
 def test_rl_config_without_model_needs_the_default_policy(env, tmp_path):
