@@ -132,3 +132,65 @@ def test_malformed_nouns_file_is_one_line_naming_file_and_record(tmp_path, image
     for needle in needles:
         assert needle in line, line
     assert not (tmp_path / "bad.csv").exists()
+
+
+def test_score_refuses_when_one_record_lacks_its_noun_phrases(tmp_path, images, monkeypatch):
+    # the record without phrases would need spaCy: setup must refuse before anything loads
+    loads = []
+    monkeypatch.setattr("storyrl.models.clip.clip_embedder", lambda *a, **k: loads.append(a) or 1 / 0)
+    records = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images, "noun_phrases": ["the dog"]},
+               {"story_id": "s1", "story": "a man by the tree.", "images": images}]
+    data = tmp_path / "s.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "o.csv"
+    args = ["score", data, "-m", "groovist", "--spacy-pipeline", MISSING, "-o", out, "-q"]
+    line = _one_error(CliRunner().invoke(main, [str(a) for a in args]))
+    assert f"spaCy pipeline '{MISSING}' is not installed" in line and "--noun-phrases" in line
+    assert loads == [] and not out.exists()
+    # with both records carrying phrases, setup goes on to load CLIP
+    records[1]["noun_phrases"] = ["a man"]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    line = _one_error(CliRunner().invoke(main, [str(a) for a in args]))
+    assert "spaCy" not in line and len(loads) == 1
+
+
+def test_score_rovist_vg_reads_records_noun_phrases_without_spacy(tmp_path, images, rovist_vg_dir, glove_path):
+    # noun_phrases stand in for nouns (a one-word phrase is that noun)
+    records = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images, "noun_phrases": ["dog", "cat"]},
+               {"story_id": "s1", "story": "a man by the tree.", "images": images[:2], "noun_phrases": ["man", "tree"]}]
+    got = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, records, "phrases")
+    assert isinstance(got, dict), got  # not the missing pipeline's error
+    as_nouns = [{k: v for k, v in r.items() if k != "noun_phrases"} | {"nouns": r["noun_phrases"]} for r in records]
+    want = _rovist_scores(tmp_path, images, rovist_vg_dir, glove_path, as_nouns, "nouns")
+    assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_nouns_and_noun_phrases_files_reach_their_own_fields(tmp_path, images, rovist_vg_dir, glove_path,
+                                                             monkeypatch):
+    from storyrl.rewards.groovist import GROOViST
+
+    seen = {}
+
+    def spy(cls):
+        def score(self, texts, **context):
+            seen[self.name] = {k: context.get(k) for k in ("nouns", "noun_phrases")}
+            return [0.5] * len(texts)
+
+        monkeypatch.setattr(cls, "setup", lambda self: self)
+        monkeypatch.setattr(cls, "score", score)
+
+    spy(GROOViST)
+    spy(RovistVG)
+    bare = [{"story_id": "s0", "story": "the dog saw a cat.", "images": images},
+            {"story_id": "s1", "story": "a man by the tree.", "images": images[:2]}]
+    data = tmp_path / "s.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in bare))
+    nouns, phrases = tmp_path / "nouns.json", tmp_path / "nps.json"
+    nouns.write_text(json.dumps({"s0": ["dog"], "s1": ["man"]}))
+    phrases.write_text(json.dumps({"s0": ["the big dog"], "s1": ["the old man"]}))
+    args = ["score", data, "-m", "groovist,rovist_vg", "--rovist-vg-model", rovist_vg_dir, "--glove", glove_path,
+            "--nouns", nouns, "--noun-phrases", phrases, "--spacy-pipeline", MISSING, "-o", tmp_path / "o.csv", "-q"]
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    want = {"nouns": [["dog"], ["man"]], "noun_phrases": [["the big dog"], ["the old man"]]}
+    assert seen == {"groovist": want, "rovist_vg": want}
