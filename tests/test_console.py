@@ -81,6 +81,28 @@ def test_progress_options():
     assert console.progress(total=1, file=log, disable=True).disable
 
 
+
+def test_a_disabled_bar_left_open_does_not_make_the_next_bar_nested_in_a_log():
+    from tqdm.auto import tqdm
+
+    stream = io.StringIO()
+    off = console.progress(total=1, file=stream, disable=True)  # left open on purpose
+    assert off.disable
+    # a bar switched off after it opened stays in tqdm's instances (tqdm only
+    # drops bars disabled at construction): it must not count as open either
+    switched = tqdm(total=1, file=io.StringIO(), disable=False)
+    switched.disable = True
+    try:
+        assert switched in tqdm._instances
+        bar = console.progress(total=2, file=stream)
+        assert not bar.disable  # a top-level bar, not a nested one
+        bar.update(2)
+        bar.close()
+        assert "2/2" in stream.getvalue()
+    finally:
+        tqdm._instances.discard(switched)
+
+
 # -- the --verbose flag ---------------------------------------------------------------------------
 
 
@@ -96,6 +118,41 @@ def test_verbose_flag_sets_the_variable_before_the_policy_runs(monkeypatch, args
     result = CliRunner().invoke(cli.main, args)
     assert result.exit_code == 0, result.output
     assert seen == [expected]
+
+
+
+@pytest.mark.parametrize("value, quiet", [(None, True), ("", True), ("0", True), ("1", False), ("yes", False)])
+def test_storyrl_verbose_zero_is_quiet_like_unset(monkeypatch, value, quiet):
+    if value is None:
+        monkeypatch.delenv("STORYRL_VERBOSE", raising=False)
+    else:
+        monkeypatch.setenv("STORYRL_VERBOSE", value)
+    assert console.verbose() is not quiet
+    monkeypatch.setattr(console, "_configured", True)  # the policy's result without applying it to this process
+    assert console.configure_output() is quiet
+
+
+USER_VERBOSITY = """
+import json, logging, os
+import huggingface_hub.utils.logging as hub_logging  # imported before the policy: its level is set now
+from storyrl.console import configure_output
+assert configure_output(False)
+from transformers.utils import logging as transformers_logging  # imported after: reads the environment
+print(json.dumps({"env": {k: os.environ.get(k) for k in ("TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY",
+                                                        "DATASETS_VERBOSITY")},
+                  "transformers": transformers_logging.get_verbosity(), "hub": hub_logging.get_verbosity()}))
+"""
+
+
+def test_a_users_own_library_verbosity_survives_the_quiet_policy():
+    env = clean_env(TRANSFORMERS_VERBOSITY="info", HF_HUB_VERBOSITY="info")
+    proc = subprocess.run([sys.executable, "-c", USER_VERBOSITY], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    # the user's settings stay; only the one left unset gets the quiet default
+    assert seen["env"] == {"TRANSFORMERS_VERBOSITY": "info", "HF_HUB_VERBOSITY": "info", "DATASETS_VERBOSITY": "error"}
+    assert seen["transformers"] == 20 and seen["hub"] == 20  # logging.INFO
 
 
 # -- a real training command: TRL's dict, transformers' FutureWarning, the fallback warning ------
@@ -253,3 +310,26 @@ def test_quiet_progress_callback_shows_loss_and_reward_not_the_dict(monkeypatch,
     assert "2/4" in text and "loss=0.125, reward=0.75" in text
     assert "grad_norm" not in text and "key39" not in text
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("resumed_at", [0, 2])
+def test_quiet_progress_callback_ends_at_max_steps_also_after_a_resume(monkeypatch, resumed_at):
+    from storyrl.training.rl.trl_trainers import QuietProgressCallback
+
+    stream = TtyStringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    callback = QuietProgressCallback()
+    # as transformers' Trainer does: the state (global_step = the checkpoint's step on a resume) is
+    # loaded before on_train_begin; then on_step_end after each optimizer step, followed by on_log
+    state = SimpleNamespace(is_world_process_zero=True, max_steps=5, global_step=resumed_at)
+    callback.on_train_begin(None, state, None)
+    bar = callback.bar
+    seen = []
+    for step in range(resumed_at + 1, 6):
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+        callback.on_log(None, state, None, logs={"loss": 0.5, "reward": 0.25})
+        seen.append(bar.n)
+    callback.on_train_end(None, state, None)
+    assert seen == list(range(resumed_at + 1, 6))  # the bar follows global_step, one step at a time
+    assert bar.n == 5 and "5/5" in stream.getvalue()

@@ -158,3 +158,46 @@ def test_sweep_png_without_missing_cells_has_no_note(sweep):
         assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["m3"]
     finally:
         plt.close(fig)
+
+
+def test_sweep_note_names_missing_cells_per_setting():
+    nan = math.nan
+    # m1 lost P2 in setting s1 only; m2 lost every prompt in s1 and none in s2
+    cells = [_cell("m1", "s1", "P1", 0.9), _cell("m1", "s1", "P2", nan),
+             _cell("m1", "s2", "P1", 0.9), _cell("m1", "s2", "P2", 0.9),
+             _cell("m2", "s1", "P1", nan), _cell("m2", "s1", "P2", nan),
+             _cell("m2", "s2", "P1", 0.9), _cell("m2", "s2", "P2", 0.9)]
+    means = [_cell("m1", "s1", "mean", 0.9, 1), _cell("m1", "s2", "mean", 0.9, 2),
+             _cell("m2", "s1", "mean", nan, 0), _cell("m2", "s2", "mean", 0.9, 2)]
+    fig = dhm_figure(SweepResult(cells, means), DIMS)
+    try:
+        notes = [" ".join(t.get_text().split()) for t in fig.texts]
+        assert notes == ["No d_HM (left out of the means): m1 / s1 (P2); m2 / s1 (all prompts)"]
+        labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+        assert labels == ["m1\ns1\n(1 of 2 prompts)", "m1\ns2", "m2\ns1\n(0 of 2 prompts)", "m2\ns2"]
+    finally:
+        plt.close(fig)
+
+
+def test_ablation_metric_chart_marks_a_missing_mean_not_a_zero_bar():
+    metrics = ["repetition", "groovist", "clipscore"]
+    lost = _variant("variant-1", 0.5)
+    del lost.means["groovist"]  # no story scored on it: no mean at all
+    human = _variant("human", 0.5, math.nan)
+    human.means["clipscore"] = math.nan  # a mean that is NaN
+    result = AblationResult([_variant("variant-0", 0.5), lost], human, metrics, ["grounding", "coherence", "repetition"])
+    fig = ablation_figure(result)
+    try:
+        left = fig.axes[0]
+        assert left.get_title() == "Metrics per variant"
+        width = 0.8 / 3  # 3 metrics: groovist is the middle series, clipscore the last
+        marks = sorted((round(t.get_position()[0], 3), t.get_text()) for t in left.texts)
+        assert marks == [(1.0, "n/a"), (round(2 + width, 3), "n/a")]
+        heights = {round(p.get_x() + p.get_width() / 2, 3): p.get_height()
+                   for p in left.patches if isinstance(p, Rectangle)}
+        assert len(heights) == 9
+        missing = {1.0, round(2 + width, 3)}
+        assert all(math.isnan(h) for x, h in heights.items() if x in missing)  # no bar drawn there
+        assert all(h == 0.5 for x, h in heights.items() if x not in missing)
+    finally:
+        plt.close(fig)
