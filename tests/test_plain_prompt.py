@@ -97,3 +97,34 @@ def test_a_model_needing_an_image_token_its_processor_lacks_is_refused_at_start(
     with pytest.raises(ValueError, match="--chat-format"):  # generate refuses before any story
         create_generator("prompting", model=models["llava"], device="cpu").generate(
             [StoryRecord("s0", "x", images=images)])
+
+
+def _stub_vllm(monkeypatch):
+    """A stand-in ``vllm`` module (vLLM needs CUDA): the engine's config
+    reading is real, the LLM is not."""
+    import sys
+    import types
+
+    class LLM:
+        def __init__(self, **options):
+            pass
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=types.SimpleNamespace))
+
+
+def test_vllm_engine_reads_the_image_token_id_from_the_config(models, monkeypatch, images):
+    from transformers import AutoConfig
+
+    from storyrl.generators.engines import image_token_id
+
+    _stub_vllm(monkeypatch)
+    want = image_token_id(AutoConfig.from_pretrained(models["llava"]))
+    assert isinstance(want, int)
+    generator = create_generator("prompting", model=models["llava"], device="cpu", backend="vllm").setup()
+    assert generator._engine.image_token_id == want
+    blip2 = create_generator("prompting", model=models["blip2"], device="cpu", backend="vllm").setup()
+    assert blip2._engine.image_token_id == image_token_id(AutoConfig.from_pretrained(models["blip2"]))
+    # so the plain format refuses, at start, a processor that names no image token
+    monkeypatch.setattr("storyrl.generators.prompting.processor_image_token", lambda processor: None)
+    with pytest.raises(ValueError, match=r"chat format 'plain' cannot place the image"):
+        create_generator("prompting", model=models["llava"], device="cpu", backend="vllm").setup()
