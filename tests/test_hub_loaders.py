@@ -211,3 +211,31 @@ def test_an_unreachable_hub_turns_on_offline_mode_for_cached_models(probe, tmp_p
 def test_after_the_switch_the_reason_is_still_the_unreachable_hub(probe):
     assert hub.hub_reachable() is False
     assert hub._env_offline() is False  # doctor and the errors name the hub, not HF_HUB_OFFLINE
+
+
+def test_coherence_directory_without_tokenizer_names_the_albert_tokenizer(tmp_path, monkeypatch):
+    # a directory saved without a tokenizer takes base_model's: offline and not cached,
+    # that is the one-line hub error, not transformers' message about slow tokenizers
+    import socket
+
+    from huggingface_hub import constants
+    from tiny_models import save_coherence_model
+
+    from storyrl.models.coherence import CoherenceModel, load_coherence_model
+
+    directory = save_coherence_model(tmp_path / "coh", None)
+    assert CoherenceModel.from_pretrained(directory)[1] is None  # not an empty-vocabulary tokenizer
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "_cache_dir", lambda: cache)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: 1 / 0)  # no network, even broken
+    hub._reset()
+    try:
+        for base, shown in ((MISSING, MISSING), ("albert-large-v1", "albert-large-v1")):
+            message = _raises(lambda b=base: load_coherence_model(directory, b), f"ALBERT tokenizer {shown!r}",
+                              "HF_HUB_OFFLINE is set", "coherence reward's base_model", "--base-model DIR")
+            assert str(cache) in message
+    finally:
+        hub._reset()
