@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from storyrl.models.hub import hub_reachable, in_cache, looks_like_repo_id, open_clip_hub_id
+from storyrl.models.runtime import has_saved_tokenizer
 
 __all__ = [
     "PAPER_REWARDS",
@@ -80,9 +81,6 @@ _LABELS = {
 # reward refuses to set up (see each reward's _loaded / _setup).
 _NEEDED_WHEN_UNSET = {("coherence", "model"), ("rovist_vg", "model"), ("rovist_vg", "glove"),
                       ("vrank", "model"), ("cosmic", "model")}
-# Files a transformers tokenizer is saved as: a model directory holding one
-# needs no base_model/tokenizer from elsewhere.
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "spiece.model", "vocab.txt")
 
 
 @dataclass
@@ -162,8 +160,8 @@ def _model_piece(name: str, label: str, hint: str | None, required: bool) -> Pie
 
 
 def _has_tokenizer(directory: str | None) -> bool:
-    return bool(directory) and Path(directory).is_dir() and any(
-        (Path(directory) / f).is_file() for f in _TOKENIZER_FILES)
+    """A model directory holding a saved tokenizer needs no base_model/tokenizer from elsewhere."""
+    return bool(directory) and Path(directory).is_dir() and has_saved_tokenizer(directory)
 
 
 def _clip_pieces(model: str, pretrained: str | None, required: bool) -> list[Piece]:

@@ -239,3 +239,20 @@ def test_coherence_directory_without_tokenizer_names_the_albert_tokenizer(tmp_pa
             assert str(cache) in message
     finally:
         hub._reset()
+
+
+def test_vrank_directory_without_tokenizer_takes_the_tokenizer_option(tmp_path):
+    # transformers 5 builds an empty-vocabulary tokenizer from a directory holding only
+    # config.json; a Vrank directory saved without a tokenizer must take the option's
+    from tiny_models import bert_wordpiece_tokenizer, vrank_model
+
+    from storyrl.models.vrank import VrankModel, load_vrank_model
+
+    tokenizer = bert_wordpiece_tokenizer(["a cat sat on the mat", "the dog ran"], tmp_path / "tok")
+    tokenizer.save_pretrained(tmp_path / "tok")
+    vrank_model(tokenizer.vocab_size).save_pretrained(tmp_path / "vrank")
+    assert VrankModel.from_pretrained(tmp_path / "vrank")[1] is None
+    _, loaded = load_vrank_model(str(tmp_path / "vrank"), str(tmp_path / "tok"))
+    assert loaded.get_vocab() == tokenizer.get_vocab()
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer; give the tokenizer option"):
+        load_vrank_model(str(tmp_path / "vrank"))

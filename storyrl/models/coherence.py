@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from storyrl.models.runtime import has_saved_tokenizer
+
 DEFAULT_BASE = "albert-large-v1"
 _CONFIG_FILE = "storyrl_coherence.json"
 _WEIGHTS_FILE = "model.safetensors"
@@ -121,10 +123,7 @@ class CoherenceModel(nn.Module):
         meta = json.loads(meta_path.read_text())
         model = cls.from_config(AlbertConfig.from_pretrained(directory), meta.get("dropout", 0.4))
         model.load_state_dict(load_file(str(directory / _WEIGHTS_FILE)))
-        # transformers 5 builds an empty-vocabulary tokenizer from a directory holding
-        # only the model's config: no tokenizer file means no tokenizer saved
-        saved = any((directory / name).is_file() for name in _TOKENIZER_FILES)
-        return model.eval(), _load_tokenizer(directory, required=False) if saved else None
+        return model.eval(), _load_tokenizer(directory, required=False) if has_saved_tokenizer(directory) else None
 
     @classmethod
     def from_authors_checkpoint(
@@ -162,10 +161,6 @@ def _load_authors_file(path, trust: bool):
             "unpickling can run code, so storyrl loads it only with trust_checkpoint=True "
             "(coherence reward option / --trust-checkpoint) for files you trust"
         ) from exc
-
-
-# What a saved transformers tokenizer writes (one of them suffices).
-_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "spiece.model", "vocab.txt")
 
 
 def _load_tokenizer(name_or_path, required: bool = True):

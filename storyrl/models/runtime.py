@@ -70,3 +70,16 @@ def free_memory() -> None:
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+# What a saved transformers tokenizer writes (one of them suffices).
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "spiece.model", "vocab.txt")
+
+
+def has_saved_tokenizer(directory) -> bool:
+    """Whether ``directory`` holds a saved tokenizer. transformers 5 builds an
+    empty-vocabulary tokenizer from a directory holding only the model's
+    config, so a tokenizer is loaded from a directory only when this is true."""
+    from pathlib import Path
+
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)

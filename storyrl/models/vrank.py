@@ -167,6 +167,10 @@ class VrankModel(nn.Module):
 def _load_tokenizer(directory: Path):
     from transformers import AutoTokenizer
 
+    from storyrl.models.runtime import has_saved_tokenizer
+
+    if not has_saved_tokenizer(directory):  # else transformers 5 builds an empty-vocabulary one
+        return None
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError):
