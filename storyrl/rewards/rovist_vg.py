@@ -162,7 +162,7 @@ class RovistVG(RegionReward):
         given), then load the models."""
         from storyrl.noun_phrases import check_reward_pipeline
 
-        check_reward_pipeline(self, "the nouns precomputed: --nouns or records' nouns")
+        check_reward_pipeline(self, "the nouns precomputed: --nouns, or records' nouns or noun_phrases")
         return super().setup()
 
     def __getstate__(self) -> dict[str, Any]:
