@@ -43,14 +43,12 @@ from storyrl.config import option
 from storyrl.rewards import build_reward, resolve_reward
 from storyrl.rewards.base import RewardConfig, clean_text, take_column
 from storyrl.rewards.composite import CompositeReward, _finite_mean
-from storyrl.rewards.dhm_distance import DHM_DIMENSIONS
+from storyrl.rewards.dhm_distance import DHM_DIMENSIONS, dimension_distance
 
 __all__ = ["DHM", "DIMENSIONS", "DhmConfig"]
 
 #: d_HM dimension -> the reward (score-table column) it comes from.
 DIMENSIONS = {dim: metric for metric, (dim, _) in DHM_DIMENSIONS.items()}
-#: ... and the map applied to that reward's score (tanh for grounding).
-_TRANSFORMS = {dim: transform for _, (dim, transform) in DHM_DIMENSIONS.items()}
 
 
 def _dimension(key: str) -> str | None:
@@ -215,9 +213,7 @@ class DHM(CompositeReward):
         total = np.zeros(n)
         values: dict[str, np.ndarray] = {}
         for dim in self.dimensions:
-            transform = _TRANSFORMS[dim]
-            h, m = (human[dim], model[dim]) if transform is None else (transform(human[dim]), transform(model[dim]))
-            distance = np.abs(h - m)
+            distance = dimension_distance(DIMENSIONS[dim], human[dim], model[dim])
             total += self.dimension_weights[dim] * distance
             values[dim], values[f"{dim}/human"], values[f"{dim}/distance"] = model[dim], human[dim], distance
         total *= self.sign
