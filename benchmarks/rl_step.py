@@ -378,10 +378,10 @@ def build_rewards(config):
     clear_caches()
     rewards = config.build_rewards()
     for reward in rewards:
-        reward.setup()
         grounding = getattr(reward, "component_rewards", {}).get("grounding")
-        if grounding is not None:
+        if grounding is not None:  # before setup, which otherwise requires the spaCy pipeline
             grounding._extractor = NounPhrases()
+        reward.setup()
     return rewards
 
 
