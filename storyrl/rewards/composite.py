@@ -29,11 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from storyrl.rewards import build_reward
 from storyrl.rewards.base import Reward, RewardConfig
 
-# build_reward lives in storyrl.rewards; re-exported for storyrl.training.rl.config until it imports it there.
-__all__ = ["CompositeReward", "build_reward", "unique_names"]
+__all__ = ["CompositeReward", "unique_names"]
 
 
 def unique_names(names: Sequence[str], fixed: Sequence[bool] | None = None) -> list[str]:

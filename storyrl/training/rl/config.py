@@ -371,7 +371,7 @@ def _infos(cls: type):
 def _reward(entry: str | Mapping[str, Any]) -> Any:
     """A reward from a registered name, a reward config file or an inline
     ``{reward: name, ...}`` mapping (the composite rewards' component specs)."""
-    from storyrl.rewards.composite import build_reward
+    from storyrl.rewards import build_reward
 
     return build_reward(entry)
 
