@@ -31,7 +31,7 @@ import numpy as np
 
 from storyrl.rewards.base import Reward, RewardConfig
 
-__all__ = ["CompositeReward", "unique_names"]
+__all__ = ["CompositeReward", "finite_mean", "unique_names"]
 
 
 def unique_names(names: Sequence[str], fixed: Sequence[bool] | None = None) -> list[str]:
@@ -57,7 +57,7 @@ def _spread(values: np.ndarray, index: list[int], n: int) -> np.ndarray:
     return out
 
 
-def _finite_mean(values: np.ndarray) -> float | None:
+def finite_mean(values: np.ndarray) -> float | None:
     finite = values[np.isfinite(values)]
     return float(finite.mean()) if len(finite) else None
 
@@ -107,7 +107,7 @@ class CompositeReward(Reward):
         metrics: dict[str, float] = {}
         for name in self.component_rewards:
             column = values[name]
-            mean = _finite_mean(column)
+            mean = finite_mean(column)
             if mean is not None:  # TRL averages what is logged: a NaN would poison the window
                 metrics[f"{name}/mean"] = mean
             metrics[f"{name}/unscorable_frac"] = float((~np.isfinite(column)).mean())

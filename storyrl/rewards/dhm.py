@@ -42,7 +42,7 @@ import numpy as np
 from storyrl.config import option
 from storyrl.rewards import build_reward, resolve_reward
 from storyrl.rewards.base import RewardConfig, clean_text, take_column
-from storyrl.rewards.composite import CompositeReward, _finite_mean
+from storyrl.rewards.composite import CompositeReward, finite_mean
 from storyrl.rewards.dhm_distance import DHM_DIMENSIONS, dimension_distance
 
 __all__ = ["DHM", "DIMENSIONS", "DhmConfig"]
@@ -231,7 +231,7 @@ class DHM(CompositeReward):
         metrics = super()._metrics(values)
         for dim in self.dimensions:
             for key in ("human", "distance"):
-                mean = _finite_mean(values[f"{dim}/{key}"])
+                mean = finite_mean(values[f"{dim}/{key}"])
                 if mean is not None:
                     metrics[f"{dim}/{key}_mean"] = mean
             metrics[f"{dim}/human_unscorable_frac"] = float(np.isnan(values[f"{dim}/human"]).mean())
