@@ -67,3 +67,5 @@ TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
              "TAPM-style storyteller: adaptation stage (decoder frozen), then downstream cross-entropy.")
 TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
              "RL fine-tuning of a storyteller (causal LM, VLM or TAPM) against storyrl rewards: ppo, grpo or rloo.")
+TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
+             "Supervised fine-tuning of a causal-LM storyteller on human stories (TRL SFTTrainer), RL's prompt.")
