@@ -136,3 +136,11 @@ def test_lora_saves_adapters_and_merge_saves_full_weights(assets, tmp_path):
                    progress=False)
     assert not (Path(merged.final_dir) / "adapter_config.json").exists()
     assert (Path(merged.final_dir) / "config.json").is_file()
+
+
+@pytest.mark.parametrize("lora, message", [({"rr": 3}, "unknown key 'rr'"), ("yes", "lora: expected a mapping")])
+def test_bad_lora_keys_are_one_line_errors(assets, tmp_path, lora, message):
+    from storyrl.training.sft import SFTRunConfig
+
+    with pytest.raises(ValueError, match=message):
+        SFTRunConfig.from_mapping(options(assets, tmp_path, lora=lora))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storyrl.config import Config, option
+from storyrl.config import Config, ConfigTypeError, option
 from storyrl.datasets import DATA_FORMATS
 from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
@@ -86,6 +86,8 @@ class SFTRunConfig(Config):
 
         if isinstance(self.lora, dict):
             self.lora = LoraOptions.from_mapping(self.lora)
+        if not isinstance(self.lora, LoraOptions):
+            raise ConfigTypeError(f"lora: expected a mapping of LoRA keys (enabled, r, ...), got {self.lora!r}")
         super_post = getattr(super(), "__post_init__", None)
         if super_post is not None:
             super_post()
