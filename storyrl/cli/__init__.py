@@ -28,6 +28,7 @@ from storyrl.cli.features import features
 from storyrl.cli.generate import generate
 from storyrl.cli.launch import launch
 from storyrl.cli.meta_eval import meta_eval
+from storyrl.cli.pairs import pairs_cmd
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.serve import serve
 from storyrl.cli.sweep import sweep
@@ -111,3 +112,4 @@ main.add_command(serve)
 main.add_command(meta_eval)
 main.add_command(launch)
 main.add_command(doctor)
+main.add_command(pairs_cmd)
