@@ -702,10 +702,10 @@ def test_quiet_runs_restore_the_progress_bars(assets, tmp_path):
 def test_summary_reports_the_last_finite_reward():
     from storyrl.training.rl.train import RLResult
 
-    result = RLResult("grpo", "out", 3, [{"reward": 0.1}, {"loss": 1.0}, {"reward": 0.7}])
+    result = RLResult(algorithm="grpo", output_dir="out", steps=3, history=[{"reward": 0.1}, {"loss": 1.0}, {"reward": 0.7}])
     assert result.summary() == {"algorithm": "grpo", "output_dir": "out", "final": str(Path("out") / "final"),
                                 "steps": 3, "last_reward": 0.7}
-    assert RLResult("ppo", "out", 1, [{"reward": math.nan}]).summary()["last_reward"] is None
+    assert RLResult(algorithm="ppo", output_dir="out", steps=1, history=[{"reward": math.nan}]).summary()["last_reward"] is None
 
 
 def test_only_the_main_process_rewrites_the_logs_on_train_begin(tmp_path):

@@ -138,7 +138,7 @@ def test_lora_saves_adapters_and_merge_saves_full_weights(assets, tmp_path):
     assert (Path(merged.final_dir) / "config.json").is_file()
 
 
-@pytest.mark.parametrize("lora, message", [({"rr": 3}, "unknown key 'rr'"), ("yes", "lora: expected a mapping")])
+@pytest.mark.parametrize("lora, message", [({"rr": 3}, "unknown key 'rr'"), ("yes", "key 'lora': expected LoraOptions")])
 def test_bad_lora_keys_are_one_line_errors(assets, tmp_path, lora, message):
     from storyrl.training.sft import SFTRunConfig
 

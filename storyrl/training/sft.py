@@ -16,30 +16,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storyrl.config import Config, ConfigTypeError, option
-from storyrl.datasets import DATA_FORMATS
-from storyrl.models.runtime import PRECISIONS
+from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
+from storyrl.training.storyteller import RunResult, StorytellerConfig
 
 __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset", "train"]
 
-SETTINGS = ("auto", "text")
-
-
-def _lora_options():
-    from storyrl.training.rl.config import LoraOptions
-
-    return LoraOptions()
-
 
 @dataclass(kw_only=True)
-class SFTRunConfig(Config):
-    """Settings of the sft trainer (module docs)."""
+class SFTRunConfig(StorytellerConfig):
+    """Settings of the sft trainer (module docs); the policy, data and prompt
+    keys are :class:`~storyrl.training.storyteller.StorytellerConfig`'s, as
+    ``storyrl train rl`` reads them."""
 
     _field_word = "key"
 
@@ -55,80 +48,15 @@ class SFTRunConfig(Config):
     save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
                                         "none.")
-    # -- policy (as storyrl train rl loads it) --------------------------------------
-    model: str = option(help="Hub name or local directory of the causal LM to fine-tune.")
-    revision: str | None = option(None, "Hub revision of the model (branch, tag or commit).")
-    precision: str = option("auto", "Weights dtype: auto = bf16 on a CUDA GPU that supports it, else fp32.",
-                            choices=PRECISIONS)
-    load_in_4bit: bool = option(False, "Load the base model in 4 bit (bitsandbytes NF4, CUDA); needs LoRA.")
-    lora: Any = option(factory=_lora_options,  # noqa: RUF009  (option() is a dataclass field)
-                       help="LoRA adapters: enabled, r, alpha, dropout, target_modules, "
-                       "merge.", cli=False)
-    # -- data and prompts (as storyrl train rl reads them) ---------------------------
-    data: str = option(help="Image sequences with their human stories: VIST story-in-sequence JSON, VWP CSV or "
-                       "storyrl JSONL records.", path="file")
-    data_format: str = option("auto", "Format of data.", choices=DATA_FORMATS)
-    image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
-                                    path="dir")
-    limit: int | None = option(None, "Only the first N sequences of data.", min=1)
-    setting: str = option("auto", "What the policy sees: text = the prompt only (auto: text).", choices=SETTINGS)
-    prompt: str = option("P3", "Visual prompt name in the prompts file ({n} = the number of images).")
-    prompts_file: str | None = option(None, "Prompt templates YAML (default: configs/prompts/dhm.yaml).", path="file")
-    fill_count: bool = option(True, "Fill the sentence count in as a word; false sends the authors' 'N'.")
-
-    # The RL path reads these; SFT has no images yet.
-    freeze_vision_tower = True
-    sequence_image_size = None
-    sequence_image_dir = None
-
-    def __post_init__(self) -> None:
-        from storyrl.training.rl.config import LoraOptions
-
-        if isinstance(self.lora, dict):
-            self.lora = LoraOptions.from_mapping(self.lora)
-        if not isinstance(self.lora, LoraOptions):
-            raise ConfigTypeError(f"lora: expected a mapping of LoRA keys (enabled, r, ...), got {self.lora!r}")
-        super_post = getattr(super(), "__post_init__", None)
-        if super_post is not None:
-            super_post()
-        if self.load_in_4bit and not self.lora.enabled:
-            raise ValueError("load_in_4bit: a 4-bit base trains through LoRA adapters only; set lora.enabled: true")
-
-    # The RL config's own methods: same policy detection and prompts.
-    def policy_kind(self, read_hub: bool = True) -> str | None:
-        from storyrl.training.rl.config import RLConfig
-
-        return RLConfig.policy_kind(self, read_hub)
-
-    policy = "auto"
-
-    def resolved_setting(self, kind: str) -> str:
-        from storyrl.training.rl.config import RLConfig
-
-        return RLConfig.resolved_setting(self, kind)
-
-    def prompting_config(self) -> Any:
-        from storyrl.training.rl.config import RLConfig
-
-        return RLConfig.prompting_config(self)
 
 
-@dataclass
-class SFTResult:
-    """What a run did: optimizer steps, the last logged loss, where the model is."""
-
-    output_dir: str
-    steps: int
-    history: list[dict] = field(default_factory=list)
-
-    @property
-    def final_dir(self) -> str:
-        return str(Path(self.output_dir) / "final")
+@dataclass(kw_only=True)
+class SFTResult(RunResult):
+    """What a run did: optimizer steps, the log history, where the model is."""
 
     def summary(self) -> dict[str, Any]:  # what `storyrl train sft` prints
         losses = [e["loss"] for e in self.history if "loss" in e]
-        return {"output_dir": self.output_dir, "final": self.final_dir, "steps": self.steps,
-                "last_loss": losses[-1] if losses else None}
+        return {**super().summary(), "last_loss": losses[-1] if losses else None}
 
 
 def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
@@ -223,7 +151,8 @@ def train(config: SFTRunConfig, resume: bool = False, progress: bool = True) -> 
         trainer.processing_class.padding_side = "left"  # what generation (and RL) wants
         trainer.processing_class.save_pretrained(final)
         config.to_yaml(final / "sft_config.yaml")
-    return SFTResult(config.output_dir, trainer.state.global_step, list(trainer.state.log_history))
+    return SFTResult(output_dir=config.output_dir, steps=trainer.state.global_step,
+                     history=list(trainer.state.log_history))
 
 
 TRAINER = Trainer(

@@ -29,22 +29,16 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trl import GRPOConfig, RLOOConfig
 
 from storyrl.config import Config, check_type, option
-from storyrl.datasets import DATA_FORMATS
-from storyrl.models.runtime import PRECISIONS
-from storyrl.models.vlm import DEFAULT_VLM
 from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
+from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
 __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig"]
 
-POLICIES = ("auto", "causal_lm", "vlm", "tapm")
-#: How the policy sees the image sequence (see RLConfig.setting).
-SETTINGS = ("auto", "visual", "separate", "text")
 #: Run-level keys set at the top level and copied into the algorithm's config.
 FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
 # Attribute on a built nested config holding the keys the user gave (what is saved).
@@ -95,25 +89,10 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
-@dataclass
-class LoraOptions(Config):
-    """LoRA adapters (peft ``LoraConfig``) instead of training every weight."""
-
-    _field_word = "key"
-
-    enabled: bool = option(False, "Train LoRA adapters; the base stays frozen and, with adapters disabled, is the "
-                           "KL reference (no second copy).")
-    r: int = option(16, "Adapter rank.", min=1)
-    alpha: int = option(32, "LoRA alpha (scale = alpha / r).", min=1)
-    dropout: float = option(0.05, "Dropout on the adapters' input.", min=0.0, max=1.0)
-    target_modules: list[str] | str = option(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                             help="Module names that get adapters, or 'all-linear'.")
-    merge: bool = option(False, "Save final/ as merged full weights instead of the adapters (not with 4-bit).")
-
-
 @dataclass(kw_only=True)
-class RLConfig(Config):
-    """Settings of :func:`storyrl.training.rl.train.train` (module docs)."""
+class RLConfig(StorytellerConfig):
+    """Settings of :func:`storyrl.training.rl.train.train` (module docs); the
+    policy, data and prompt keys are :class:`StorytellerConfig`'s."""
 
     _field_word = "key"
 
@@ -126,34 +105,6 @@ class RLConfig(Config):
     max_steps: int | None = option(None, "Optimisation steps to run (GRPO/RLOO: optimizer steps; PPO: rollout + "
                                    "update steps); default: the algorithm's epochs over the data.", min=1)
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
-    # -- policy -------------------------------------------------------------------
-    model: str = option(DEFAULT_VLM, "Policy: hub name or local directory of a causal LM, an image-text-to-text "
-                        "model or a trained TAPM directory.")
-    policy: str = option("auto", "Policy kind; auto reads the model's config (TAPM directory -> tapm, "
-                         "image-text-to-text -> vlm, else causal_lm).", choices=POLICIES)
-    revision: str | None = option(None, "Hub revision of the model (branch, tag or commit).")
-    precision: str = option("auto", "Weights dtype: auto = bf16 on a CUDA GPU that supports it, else fp32.",
-                            choices=PRECISIONS)
-    load_in_4bit: bool = option(False, "Load the base model in 4 bit (bitsandbytes NF4, CUDA); needs LoRA.")
-    lora: LoraOptions = option(factory=LoraOptions, help="LoRA adapters: enabled, r, alpha, dropout, "
-                               "target_modules, merge.", cli=False)
-    freeze_vision_tower: bool = option(True, "VLM policies: the vision encoder does not train (nor gets adapters).")
-    # -- data and prompts -----------------------------------------------------------
-    data: str = option(help="Image sequences with their human stories: VIST story-in-sequence JSON, VWP CSV or "
-                       "storyrl JSONL records.", path="file")
-    data_format: str = option("auto", "Format of data.", choices=DATA_FORMATS)
-    image_root: str | None = option(None, "Directory that image ids and relative image paths are resolved in.",
-                                    path="dir")
-    limit: int | None = option(None, "Only the first N sequences of data.", min=1)
-    setting: str = option("auto", "What the policy sees: visual = the sequence as one image (the generators' "
-                          "visual setting), separate = each image, text = the prompt only; auto = visual for "
-                          "VLMs, text otherwise.", choices=SETTINGS)
-    prompt: str = option("P3", "Visual prompt name in the prompts file ({n} = the number of images).")
-    prompts_file: str | None = option(None, "Prompt templates YAML (default: configs/prompts/dhm.yaml).", path="file")
-    fill_count: bool = option(True, "Fill the sentence count in as a word; false sends the authors' 'N'.")
-    sequence_image_size: str | None = option(None, "Resize each image to WIDTHxHEIGHT in the sequence image.")
-    sequence_image_dir: str | None = option(None, "Ready sequence images <story_id>.png or seq_<story_id>.png.",
-                                            path="dir")
     # -- rewards ------------------------------------------------------------------
     rewards: list[str | dict[str, Any]] = option(help="Rewards (TRL reward functions): registered names, reward "
                                                  "config YAML paths or mappings {reward: <name>, <option>: ...}.")
@@ -250,16 +201,6 @@ class RLConfig(Config):
         trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
                      if t not in TRACKERS]
-        if not Path(self.data).is_file():
-            problems.append(f"data: no such file {self.data}")
-        if self.load_in_4bit and not self.lora.enabled:
-            problems.append("load_in_4bit: a 4-bit base trains through LoRA adapters only; set lora.enabled: true")
-        if self.load_in_4bit and self.lora.merge:
-            problems.append("lora.merge: adapters are not merged into a 4-bit base; save them (merge: false)")
-        try:
-            self.prompting_config().template()
-        except (TypeError, ValueError) as exc:
-            problems.append(str(exc).replace("PromptingConfig: ", ""))
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             if self.algorithm != "ppo":
@@ -268,39 +209,12 @@ class RLConfig(Config):
             if self.lora.enabled or self.load_in_4bit:
                 problems.append("lora/load_in_4bit: a TAPM policy keeps the adapters and quantisation it was "
                                 "trained with (storyrl train tapm); leave them off here")
-        if kind in ("causal_lm", "tapm") and self.setting in ("visual", "separate"):
-            problems.append(f"setting {self.setting}: a {kind} policy sees no images; use setting text (or auto)")
-        return problems
+        return super()._problems() + problems
 
     # -- derived ----------------------------------------------------------------------
     def algorithm_config(self) -> Any:
         """The config of the chosen algorithm (PPOConfig, GRPOConfig or RLOOConfig)."""
         return getattr(self, self.algorithm)
-
-    def policy_kind(self, read_hub: bool = True) -> str | None:
-        """``causal_lm``, ``vlm`` or ``tapm``: ``policy`` unless auto, else read
-        from the model's config (a hub model only with ``read_hub``; None if
-        it cannot be told)."""
-        if self.policy != "auto":
-            return self.policy
-        from storyrl.training.rl.policy import detect_policy
-
-        return detect_policy(self.model, self.revision, read_hub=read_hub)
-
-    def resolved_setting(self, kind: str) -> str:
-        """The setting for a policy of ``kind``: auto = visual for VLMs, text otherwise."""
-        if self.setting != "auto":
-            return self.setting
-        return "visual" if kind == "vlm" else "text"
-
-    def prompting_config(self) -> Any:
-        """The generators' prompting options for the prompts (templates, sequence images)."""
-        from storyrl.generators.prompting import PromptingConfig
-
-        return PromptingConfig(model=self.model, setting="visual", prompt=self.prompt,
-                               prompts_file=self.prompts_file, fill_count=self.fill_count,
-                               image_root=self.image_root, sequence_image_size=self.sequence_image_size,
-                               sequence_image_dir=self.sequence_image_dir)
 
     def build_rewards(self) -> list[Any]:
         """The storyrl rewards of ``rewards``, in order (no model loaded yet)."""

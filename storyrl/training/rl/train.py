@@ -16,13 +16,14 @@ as an uninterrupted run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from storyrl.training import Trainer
 from storyrl.training.rl.config import ALGORITHMS, RLConfig
 from storyrl.training.runs import guarded, is_main_process
+from storyrl.training.storyteller import RunResult
 
 __all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "run_ppo", "run_trl", "train"]
 
@@ -31,19 +32,12 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "rl_config.yaml"
 
 
-@dataclass
-class RLResult:
-    """What a run did: optimisation steps done in total, the log history
-    (one dict per logged step) and where the policy is."""
+@dataclass(kw_only=True)
+class RLResult(RunResult):
+    """What a run did (:class:`~storyrl.training.storyteller.RunResult`) with
+    which algorithm."""
 
     algorithm: str
-    output_dir: str
-    steps: int
-    history: list[dict] = field(default_factory=list)
-
-    @property
-    def final_dir(self) -> str:
-        return str(Path(self.output_dir) / "final")
 
     def summary(self) -> dict[str, Any]:
         """The command's JSON line: directories, steps and the last logged reward."""
@@ -131,7 +125,8 @@ def run_trl(config: RLConfig, policy, dataset, rewards, resume: bool, progress: 
     from storyrl.training.rl.trl_trainers import train_trl
 
     trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
-    return RLResult(config.algorithm, config.output_dir, trainer.state.global_step, list(trainer.state.log_history))
+    return RLResult(algorithm=config.algorithm, output_dir=config.output_dir, steps=trainer.state.global_step,
+                    history=list(trainer.state.log_history))
 
 
 def run_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool,
@@ -160,7 +155,7 @@ def run_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: 
         if config.lora.enabled and config.lora.merge:
             merge_adapters(config, final, policy.kind)
         config.to_yaml(final / CONFIG_FILE)
-    return RLResult("ppo", config.output_dir, result.steps, list(result.history))
+    return RLResult(algorithm="ppo", output_dir=config.output_dir, steps=result.steps, history=list(result.history))
 
 
 TRAINER = Trainer(
