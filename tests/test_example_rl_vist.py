@@ -80,7 +80,7 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     from evaluate import evaluate
 
     from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import build_dataset
+    from storyrl.training.rl.data import build_dataset, load_data, prompt_rows
 
     data, _ = tiny_data
     train = _read(data / "train.jsonl")
@@ -101,9 +101,12 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     try:
         assert rl_data.build_dataset is not build_dataset  # wrapped
         rows = rl_data.build_dataset(config, "causal_lm", tokenizer)
+        sampled_rows = rl_data.prompt_rows(config, load_data(config), "causal_lm", tokenizer)  # storyrl pairs --policy
     finally:
         uninstall()
     assert rl_data.build_dataset is build_dataset  # the rest of the test session sees storyrl's own
+    assert rl_data.prompt_rows is prompt_rows
+    assert [r["prompt"] for r in sampled_rows] == [r["prompt"] for r in rows]
     for row, record in zip(rows, train):
         assert row["story_id"] == record["story_id"] and row["reference"] == record["story"]
         assert row["prompt"] == [{"role": "user", "content": common.user_prompt(record["noun_phrases"])}]
