@@ -1,0 +1,371 @@
+"""Direct preference optimisation of a storyteller on story preference pairs:
+TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
+
+* ``pairs`` is a JSONL of TRL preference rows as ``storyrl pairs`` writes
+  them (``prompt``, ``chosen``, ``rejected``, ``images``, ``story_id``, ...).
+  With ``prompts: template`` (the default) each pair's prompt is rebuilt as
+  the storyteller prompt RL, SFT and ``generate`` send
+  (:class:`storyrl.training.rl.data._Prompter` with the pair's image count;
+  a conversation when the tokenizer has a chat template), so DPO trains on
+  the prompt the policy sees; ``prompts: pairs`` keeps the file's prompt.
+  The loss is on the stories' tokens only (TRL's completion mask).
+* The reference is the policy as it starts: with LoRA the base with the
+  adapters disabled (no second copy), otherwise a frozen copy loaded as the
+  policy is.
+* Monitoring as in RL runs: every ``sample_steps`` optimizer steps the
+  current policy writes greedy stories for the first ``sample_prompts``
+  sequences of ``data``; each of ``rewards`` scores them (context as RL
+  gives it: the human story as reference, the sequence's images) and
+  ``rewards/<name>/mean`` with the story statistics of
+  :func:`storyrl.training.rl.monitor.story_stats` go into the step's log
+  (``history.jsonl``) and sample stories into ``samples.jsonl``.
+* Checkpoints, ``--resume``, overwrite and the lock as ``storyrl train sft``;
+  ``OUTPUT_DIR/final`` (full weights, merged weights with ``lora.merge``, or
+  adapters, with the tokenizer and dpo_config.yaml) is a ``storyrl train rl
+  --model`` and a ``storyrl generate`` model.
+* Text policies (causal LMs) only; VLMs and TAPM are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storyrl.config import option
+from storyrl.training import Trainer
+from storyrl.training.runs import guarded
+from storyrl.training.storyteller import RunResult, StorytellerConfig
+
+__all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
+           "load_pairs", "train"]
+
+#: TRL 1.16 DPOConfig's loss types.
+LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+              "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
+PROMPT_SOURCES = ("template", "pairs")
+
+
+@dataclass(kw_only=True)
+class DPORunConfig(StorytellerConfig):
+    """Settings of the dpo trainer (module docs); the policy, data and prompt
+    keys are :class:`~storyrl.training.storyteller.StorytellerConfig`'s, as
+    ``storyrl train rl`` reads them (``data``: the image sequences and human
+    stories the monitoring samples are written for)."""
+
+    _field_word = "key"
+
+    output_dir: str = option(help="TRL's checkpoint-<step>/, history.jsonl, samples.jsonl and the model in final/.",
+                             path="new-dir")
+    pairs: str = option(help="Preference pairs JSONL (storyrl pairs: prompt, chosen, rejected, images, ...).",
+                        path="file")
+    prompts: str = option("template", "template = each pair's prompt rebuilt as the storyteller prompt RL and "
+                          "generate send (prompt, prompts_file, the pair's image count); pairs = the file's prompt "
+                          "as is.", choices=PROMPT_SOURCES)
+    beta: float = option(0.1, "DPO beta: how far the policy may move from the reference.", min=0.0)
+    loss_type: str = option("sigmoid", "TRL's DPO loss.", choices=LOSS_TYPES)
+    seed: int = option(0, "Seed of the run (data order, adapter initialisation).")
+    max_steps: int | None = option(None, "Optimizer steps; default: epochs over the pairs.", min=1)
+    epochs: float = option(1.0, "Passes over the pairs (when max_steps is not set).", min=0.0)
+    learning_rate: float = option(1e-6, "AdamW learning rate.", min=0.0)
+    batch_size: int = option(8, "Pairs per device and step.", min=1)
+    gradient_accumulation_steps: int = option(1, "Batches per optimizer step.", min=1)
+    max_length: int = option(1024, "Tokens of prompt + story; longer ones lose their end.", min=1)
+    logging_steps: int = option(10, "Log (and write history.jsonl) every N steps.", min=1)
+    save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
+    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
+                                        "none.")
+    # -- monitoring -----------------------------------------------------------------
+    rewards: list[str | dict[str, Any]] = option(factory=list, help="Rewards that score the monitoring samples: "
+                                                 "registered names, reward config YAML paths or mappings.")
+    sample_steps: int | None = option(None, "Every N optimizer steps, write and score stories for sample_prompts "
+                                      "sequences of data (none: no monitoring).", min=1)
+    sample_prompts: int = option(4, "Sequences of data the monitoring stories are written for.", min=1)
+    sample_max_new_tokens: int = option(128, "Token limit of a monitoring story.", min=1)
+
+    def _problems(self) -> list[str]:
+        from storyrl.training.rl.config import _reward
+        from storyrl.training.rl.ppo.config import TRACKERS
+
+        problems = []
+        if not Path(self.pairs).is_file():
+            problems.append(f"pairs: no such file {self.pairs}")
+        names = []
+        for i, entry in enumerate(self.rewards):
+            try:
+                names.append(_reward(entry).__name__)
+            except (TypeError, ValueError) as exc:
+                problems.append(f"rewards[{i}]: {' '.join(str(exc).split())}")
+        problems += [f"rewards: two rewards named {n!r} (history keys are per name); give one a different setting"
+                     for n in sorted({n for n in names if names.count(n) > 1})]
+        if self.rewards and self.sample_steps is None:
+            problems.append("rewards: they score the monitoring samples; set sample_steps (every N steps)")
+        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
+                     if t not in TRACKERS]
+        kind = self.policy_kind(read_hub=False)
+        if kind in ("vlm", "tapm"):
+            problems.append(_kind_refusal(self.model, kind))
+        return super()._problems() + problems
+
+    def build_rewards(self) -> list[Any]:
+        from storyrl.training.rl.config import _reward
+
+        return [_reward(entry) for entry in self.rewards]
+
+
+def _kind_refusal(model: str, kind: str) -> str:
+    return (f"model {model}: a {kind} model; storyrl train dpo trains causal-LM storytellers only (VLM and TAPM "
+            "support is not there yet)")
+
+
+@dataclass(kw_only=True)
+class DPOResult(RunResult):
+    """What a run did: optimizer steps, the log history, where the model is."""
+
+    def summary(self) -> dict[str, Any]:  # what `storyrl train dpo` prints
+        losses = [e["loss"] for e in self.history if "loss" in e]
+        return {**super().summary(), "last_loss": losses[-1] if losses else None}
+
+
+def load_pairs(path: str | Path) -> list[dict]:
+    """The rows of a preference-pairs JSONL; a malformed line is a one-line
+    ValueError naming the file, the line and the fault."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+            for key in ("chosen", "rejected"):
+                if not isinstance(row.get(key), str) or not row[key].strip():
+                    raise ValueError(f"{where}: {key!r} must be a non-empty story (string)")
+            prompt = row.get("prompt")
+            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                                and all(isinstance(m, dict) for m in prompt))):
+                raise ValueError(f"{where}: 'prompt' must be a string or a conversation (list of messages)")
+            images = row.get("images") or []
+            if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+                raise ValueError(f"{where}: 'images' must be a list of image paths")
+            rows.append({**row, "images": images, "_line": number})
+    if not rows:
+        raise ValueError(f"{path}: no preference pairs")
+    return rows
+
+
+def _completion(prompt: Any, story: str) -> Any:
+    """The story as a completion of ``prompt``: an assistant turn of a
+    conversation, else the text after a space (as SFT builds it)."""
+    story = story.strip()
+    if isinstance(prompt, list):
+        return [{"role": "assistant", "content": story}]
+    return story if not prompt or prompt[-1].isspace() else " " + story
+
+
+def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
+    """TRL preference rows (prompt, chosen, rejected) of ``config.pairs``,
+    the prompt as ``config.prompts`` says (module docs); no images column
+    (a text policy sees none)."""
+    from datasets import Dataset
+
+    from storyrl.training.rl.data import _Prompter
+
+    prompter = _Prompter(config, kind, processing_class) if config.prompts == "template" else None
+    rows = []
+    for pair in load_pairs(config.pairs):
+        if prompter is not None:
+            if not pair["images"]:
+                raise ValueError(f"{config.pairs}:{pair['_line']}: no images, so no template prompt (it needs the "
+                                 "image count); give the pair its images or set prompts: pairs")
+            prompt = prompter.prompt(len(pair["images"]))
+        else:
+            prompt = pair["prompt"]
+        rows.append({"prompt": prompt, "chosen": _completion(prompt, pair["chosen"]),
+                     "rejected": _completion(prompt, pair["rejected"])})
+    return Dataset.from_list(rows)
+
+
+def _dpo_args(config: DPORunConfig, progress: bool):
+    import torch
+    from trl import DPOConfig
+
+    from storyrl.training.rl.policy import training_dtype
+
+    cuda = torch.cuda.is_available()
+    return DPOConfig(
+        output_dir=config.output_dir, seed=config.seed, max_steps=config.max_steps or -1,
+        num_train_epochs=config.epochs, learning_rate=config.learning_rate,
+        per_device_train_batch_size=config.batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
+        max_length=config.max_length, logging_steps=config.logging_steps, save_steps=config.save_steps,
+        report_to=config.report_to, disable_tqdm=not progress, beta=config.beta, loss_type=[config.loss_type],
+        use_cpu=not cuda, bf16=cuda and training_dtype(config.precision) == torch.bfloat16,
+    )
+
+
+class SampleMonitor:
+    """Writes, scores and logs the monitoring stories (module docs). The
+    trainer calls :meth:`due` at each step's end and merges :meth:`run`'s
+    metrics into that step's log."""
+
+    def __init__(self, config: DPORunConfig, kind: str, processing_class: Any, rewards: list[Any]) -> None:
+        from storyrl.training.rl.data import load_data, prompt_rows
+
+        self.config, self.kind, self.rewards = config, kind, rewards
+        records = load_data(config)[: config.sample_prompts]
+        self.rows = prompt_rows(config, records, kind, processing_class)
+        self.samples_path = Path(config.output_dir) / "samples.jsonl"
+
+    def due(self, step: int) -> bool:
+        return self.config.sample_steps is not None and step % self.config.sample_steps == 0
+
+    def run(self, model, processing_class, step: int, is_main: bool = True) -> dict[str, float]:
+        from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
+        from storyrl.training.rl.policy import Policy, _generate
+
+        training = model.training
+        model.eval()
+        try:
+            texts = _generate(Policy(model, processing_class, self.kind), self.rows,
+                              self.config.sample_max_new_tokens)
+        finally:
+            model.train(training)
+        metrics: dict[str, float] = {}
+
+        def log_metric(name: str, value: float) -> None:
+            metrics[name] = value
+
+        context = {"reference": [r["reference"] for r in self.rows], "story_id": [r["story_id"] for r in self.rows]}
+        if "story_images" in self.rows[0]:
+            context["story_images"] = [r["story_images"] for r in self.rows]
+        values = {}
+        for reward in self.rewards:
+            name = getattr(reward, "__name__", type(reward).__name__)
+            scores = reward(prompts=[r["prompt"] for r in self.rows], completions=texts, log_metric=log_metric,
+                            **context)
+            values[name] = scores
+            finite = [s for s in scores if s is not None and math.isfinite(s)]
+            metrics[f"rewards/{name}/mean"] = sum(finite) / len(finite) if finite else math.nan
+        metrics.update({k: v for k, v in story_stats(texts).items() if math.isfinite(v)})
+        if is_main:
+            totals = [sum(v[k] for v in values.values() if v[k] is not None) if any(
+                v[k] is not None for v in values.values()) else math.nan for k in range(len(texts))]
+            samples = sample_stories(texts, totals, 3)
+            for k, sample in enumerate(samples):
+                sample["rewards"] = {name: finite_or_none(v[k]) for name, v in values.items()}
+            self.samples_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.samples_path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": step, "samples": samples}, ensure_ascii=False) + "\n")
+        return metrics
+
+
+def _monitored(trainer_class: type) -> type:
+    """``trainer_class`` whose steps run the :class:`SampleMonitor` when due:
+    the metrics join that step's log entry (so a checkpoint's log history,
+    and history.jsonl after a resume, keep them)."""
+    from transformers import TrainerCallback
+
+    class SampleCallback(TrainerCallback):
+        def __init__(self, trainer) -> None:
+            self.trainer = trainer
+
+        def on_step_end(self, args, state, control, **kwargs):
+            trainer = self.trainer
+            if trainer.sample_monitor is not None and trainer.sample_monitor.due(state.global_step):
+                trainer.pending_metrics = trainer.sample_monitor.run(
+                    trainer.accelerator.unwrap_model(trainer.model), trainer.processing_class, state.global_step,
+                    is_main=state.is_world_process_zero)
+                control.should_log = True  # this step's entry carries them
+
+    class Monitored(trainer_class):
+        def __init__(self, *args, sample_monitor: SampleMonitor | None = None, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.sample_monitor, self.pending_metrics = sample_monitor, {}
+            if sample_monitor is not None:
+                self.add_callback(SampleCallback(self))
+
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+            if self.pending_metrics and self.model.training:
+                logs.update(self.pending_metrics)
+                self.pending_metrics = {}
+            super().log(logs, start_time)
+
+    Monitored.__name__ = Monitored.__qualname__ = trainer_class.__name__
+    return Monitored
+
+
+def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list | None = None):
+    """TRL's DPOTrainer of ``config`` (policy, reference, pairs, LoRA,
+    monitoring), not yet trained."""
+    from transformers import PrinterCallback, ProgressCallback
+    from trl import DPOTrainer
+
+    from storyrl.console import verbose
+    from storyrl.training.rl.policy import load_policy, lora_config
+    from storyrl.training.rl.trl_trainers import HistoryCallback, QuietProgressCallback
+
+    kind = config.policy_kind()
+    if kind != "causal_lm":
+        raise ValueError(_kind_refusal(config.model, kind))
+    policy = load_policy(config, kind)
+    dataset = dpo_dataset(config, kind, policy.processing_class)
+    peft = lora_config(config, kind)
+    # Without LoRA the reference is a frozen copy loaded as the policy was
+    # (TRL would reload it from the config's path, without revision or 4-bit).
+    reference = None if peft is not None else load_policy(config, kind).model
+    monitor = SampleMonitor(config, kind, policy.processing_class, config.build_rewards()) \
+        if config.sample_steps is not None else None
+    trainer = _monitored(DPOTrainer)(
+        model=policy.model, ref_model=reference, args=_dpo_args(config, progress), train_dataset=dataset,
+        processing_class=policy.processing_class, peft_config=peft, sample_monitor=monitor,
+        callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
+    # stdout holds the command's JSON line only: RL's progress handling.
+    if not progress:
+        trainer.remove_callback(PrinterCallback)
+    elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
+        trainer.add_callback(QuietProgressCallback())
+    return trainer
+
+
+@guarded
+def train(config: DPORunConfig, resume: bool = False, progress: bool = True) -> DPOResult:
+    """Train, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
+    import logging
+
+    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
+
+    checkpoint = latest_complete_checkpoint(config.output_dir) if resume else None
+    if resume and checkpoint is None:
+        logging.getLogger(__name__).warning("resume: no complete checkpoint-<step>/ in %s; starting from the "
+                                            "beginning", config.output_dir)
+    trainer = build_trainer(config, progress)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    final = Path(config.output_dir) / "final"
+    if config.lora.enabled and config.lora.merge:
+        model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        if trainer.is_world_process_zero():
+            model.save_pretrained(final)
+    else:
+        trainer.save_model(str(final))
+    if trainer.is_world_process_zero():
+        trainer.processing_class.padding_side = "left"  # what generation (and RL) wants
+        trainer.processing_class.save_pretrained(final)
+        config.to_yaml(final / "dpo_config.yaml")
+    return DPOResult(output_dir=config.output_dir, steps=trainer.state.global_step,
+                     history=list(trainer.state.log_history))
+
+
+TRAINER = Trainer(
+    DPORunConfig, train,
+    outputs="Checkpoints OUTPUT_DIR/checkpoint-<step>, one JSON line per log in OUTPUT_DIR/history.jsonl, "
+            "monitoring stories in OUTPUT_DIR/samples.jsonl and the model in OUTPUT_DIR/final (a storyrl train rl "
+            "--model).",
+    resume_help="Continue from the latest complete OUTPUT_DIR/checkpoint-<step>.",
+)
