@@ -144,3 +144,58 @@ def test_bad_lora_keys_are_one_line_errors(assets, tmp_path, lora, message):
 
     with pytest.raises(ValueError, match=message):
         SFTRunConfig.from_mapping(options(assets, tmp_path, lora=lora))
+
+
+# -- exact resume ---------------------------------------------------------------------
+
+
+def _losses(history) -> list[tuple[int, float]]:
+    return [(e["step"], e["loss"]) for e in history if "loss" in e]
+
+
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(assets, tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from storyrl.training import sft
+
+    # Three stories, two per batch: an epoch is 2 steps, so 4 steps reshuffle the data once.
+    data = tmp_path / "three.jsonl"
+    rows = [json.loads(line) for line in Path(assets["data"]).read_text().splitlines()]
+    rows.append({**rows[0], "story_id": "s2", "story": TAPM_TEXTS[4]})
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+    def config(out):
+        return sft.SFTRunConfig.from_mapping(options(assets, out, data=str(data), max_steps=4, save_steps=1,
+                                                     lora={"enabled": True, "r": 4, "alpha": 8, "dropout": 0.1}))
+
+    whole = sft.train(config(tmp_path / "whole"), progress=False)
+
+    class Kill(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt("killed after checkpoint-2")
+
+    build = sft.build_trainer
+    monkeypatch.setattr(sft, "build_trainer", lambda c, p=True, callbacks=None: build(c, p, [Kill()]))
+    with pytest.raises(KeyboardInterrupt):
+        sft.train(config(tmp_path / "cut"), progress=False)
+    assert not (tmp_path / "cut" / "checkpoint-3").exists()
+    class Count(TrainerCallback):
+        steps: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    monkeypatch.setattr(sft, "build_trainer", lambda c, p=True, callbacks=None: build(c, p, [Count()]))
+    resumed = sft.train(config(tmp_path / "cut"), resume=True, progress=False)
+    assert Count.steps == [3, 4]  # it went on from checkpoint-2, not from the start
+
+    assert resumed.steps == whole.steps == 4
+    assert _losses(resumed.history) == _losses(whole.history) and len(_losses(whole.history)) == 4
+    a = load_file(Path(whole.final_dir) / "adapter_model.safetensors")
+    b = load_file(Path(resumed.final_dir) / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    history = [json.loads(line) for line in (tmp_path / "cut" / "history.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4]

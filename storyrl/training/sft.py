@@ -11,7 +11,17 @@
   LoRA through :func:`~storyrl.training.rl.policy.lora_config`), so
   ``OUTPUT_DIR/final`` (full weights, merged weights with ``lora.merge``, or
   adapters, with the tokenizer) is a ``storyrl train rl --model``.
-* Text policies (causal LMs) only for now; VLMs and TAPM are refused.
+* Causal LMs and image-text-to-text VLMs (LLaVA, LLaVA-NeXT, ...). A VLM's
+  rows carry RL's ``images`` (the sequence image, or each image with
+  ``setting: separate``), made when a row is read; TRL's vision collator
+  puts them in the prompt and masks the prompt's tokens (image tokens
+  included). ``freeze_vision_tower`` keeps the vision encoder's weights (and
+  keeps adapters off it) as in RL. ``max_length`` cuts the end of prompt +
+  story, so it must leave room for the prompt's image tokens. TAPM is
+  refused (``storyrl train tapm`` trains it).
+* ``--resume`` continues from the latest complete ``checkpoint-<step>/``
+  (weights, optimizer, scheduler, RNG states and data order); the result
+  equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -60,10 +70,16 @@ class SFTResult(RunResult):
 
 
 def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
-    """Prompt/completion rows: RL's prompt of each sequence and its human story."""
+    """Prompt/completion rows: RL's prompt of each sequence and its human
+    story. A VLM's rows keep RL's ``images`` (made when a row is read) and
+    the ``story_id``/``story_images`` columns that make them."""
     from storyrl.training.rl.data import build_dataset
 
     prompts = build_dataset(config, kind, processing_class)
+    # RL's image transform renders sequence images when a row is read: map the
+    # text columns without it (no image is made here), then put it back.
+    transform = prompts.format["format_kwargs"].get("transform") if prompts.format["type"] == "custom" else None
+    plain = prompts.with_format(None)
 
     def row(example: dict) -> dict:
         story = (example["reference"] or "").strip()
@@ -76,10 +92,12 @@ def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
             completion = [{"role": "assistant", "content": story}]
         return {"prompt": prompt, "completion": completion}
 
-    return prompts.map(row, remove_columns=prompts.column_names)
+    keep = {"story_id", "story_images"} if transform is not None else set()
+    rows = plain.map(row, remove_columns=[c for c in plain.column_names if c not in keep])
+    return rows if transform is None else rows.with_transform(transform)
 
 
-def _sft_args(config: SFTRunConfig, progress: bool):
+def _sft_args(config: SFTRunConfig, progress: bool, kind: str):
     import torch
     from trl import SFTConfig
 
@@ -93,6 +111,9 @@ def _sft_args(config: SFTRunConfig, progress: bool):
         max_length=config.max_length, logging_steps=config.logging_steps, save_steps=config.save_steps,
         report_to=config.report_to, disable_tqdm=not progress,
         completion_only_loss=True,  # the prompt is context, not something to learn
+        # A VLM's rows carry the columns its images are made from; TRL's vision
+        # collator reads prompt/completion/images only.
+        remove_unused_columns=kind != "vlm",
         use_cpu=not cuda, bf16=cuda and training_dtype(config.precision) == torch.bfloat16,
     )
 
@@ -105,13 +126,13 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
     from storyrl.training.rl.trl_trainers import HistoryCallback
 
     kind = config.policy_kind()
-    if kind != "causal_lm":
-        raise ValueError(f"model {config.model}: a {kind} model; storyrl train sft fine-tunes causal LMs only "
-                         "(VLM and TAPM support is not there yet)")
+    if kind == "tapm":
+        raise ValueError(f"model {config.model}: a TAPM model; storyrl train sft fine-tunes causal LMs and VLMs "
+                         "only; train TAPM with storyrl train tapm")
     policy = load_policy(config, kind)
     policy.tokenizer.padding_side = "right"  # training: the story ends where its tokens end
     dataset = sft_dataset(config, kind, policy.processing_class)
-    trainer = SFTTrainer(model=policy.model, args=_sft_args(config, progress), train_dataset=dataset,
+    trainer = SFTTrainer(model=policy.model, args=_sft_args(config, progress, kind), train_dataset=dataset,
                          processing_class=policy.processing_class, peft_config=lora_config(config, kind),
                          callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
     from transformers import PrinterCallback, ProgressCallback
@@ -148,7 +169,8 @@ def train(config: SFTRunConfig, resume: bool = False, progress: bool = True) -> 
     else:
         trainer.save_model(str(final))
     if trainer.is_world_process_zero():
-        trainer.processing_class.padding_side = "left"  # what generation (and RL) wants
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        tokenizer.padding_side = "left"  # what generation (and RL) wants
         trainer.processing_class.save_pretrained(final)
         config.to_yaml(final / "sft_config.yaml")
     return SFTResult(output_dir=config.output_dir, steps=trainer.state.global_step,
