@@ -199,3 +199,135 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(assets, tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     history = [json.loads(line) for line in (tmp_path / "cut" / "history.jsonl").read_text().splitlines()]
     assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4]
+
+
+# -- VLM policies ----------------------------------------------------------------------
+
+#: LLaVA 1.5's template with an assistant turn (the tiny LLaVA's own renders every turn as USER).
+VLM_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% else %} ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}[EOS]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    from tiny_models import save_tiny_vlm
+    from transformers import AutoProcessor
+
+    directory = save_tiny_vlm(tmp_path_factory.mktemp("vlm") / "llava", "llava", [*TEXTS, "USER: ASSISTANT:"])
+    processor = AutoProcessor.from_pretrained(directory)
+    processor.chat_template = VLM_TEMPLATE
+    processor.save_pretrained(directory)
+    return directory
+
+
+def test_vlm_batch_has_rl_images_and_masks_the_whole_prompt(assets, vlm, tmp_path):
+    import torch
+    from transformers import AutoProcessor
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.data import prompt_rows
+    from storyrl.training.rl.data import load_data
+    from storyrl.training.sft import SFTRunConfig, build_trainer
+
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path) | {"model": vlm})
+    trainer = build_trainer(config, progress=False)
+    batch = trainer.data_collator([trainer.train_dataset[k] for k in range(2)])
+    # The image RL's prompts carry (the sequence as one image), processed as RL's sampler does.
+    processor = AutoProcessor.from_pretrained(vlm)
+    rl = RLConfig.from_mapping({"model": vlm, "data": assets["data"], "output_dir": str(tmp_path / "rl"),
+                                "rewards": ["repetition"], "prompt": "P1"})
+    rows = prompt_rows(rl, load_data(rl), "vlm", processor)
+    pixels = processor.image_processor([r["images"][0] for r in rows], return_tensors="pt")["pixel_values"]
+    assert torch.equal(batch["pixel_values"], pixels)
+    # By hand: "USER: <image>\n<P1> ASSISTANT:" expanded, then " <story>[EOS]"; only the latter is learnt.
+    image = processor.tokenizer.convert_tokens_to_ids("<image>")
+    eos = processor.tokenizer.eos_token_id
+    for k, story in enumerate(STORIES):
+        text = "USER: <image>\n" + P1.format(n="three") + " ASSISTANT:"
+        prompt = processor(images=rows[k]["images"], text=text, add_special_tokens=False)["input_ids"][0]
+        prompt = list(prompt)
+        story_ids = processor.tokenizer(" " + story, add_special_tokens=False)["input_ids"] + [eos]
+        n = len(prompt) + len(story_ids)
+        mask = batch["attention_mask"][k].tolist()
+        assert mask[:n] == [1] * n and sum(mask) == n  # flushed left, padding after
+        assert batch["input_ids"][k, :n].tolist() == prompt + story_ids
+        assert batch["labels"][k, :n].tolist() == [-100] * len(prompt) + story_ids
+        assert prompt.count(image) > 1  # the image's tokens are in the masked part
+        assert (batch["labels"][k, n:] == -100).all()
+
+
+def test_vlm_max_length_cuts_the_story_end(assets, vlm, tmp_path):
+    from storyrl.training.sft import SFTRunConfig, build_trainer
+
+    full = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path / "a") | {"model": vlm}),
+                         progress=False)
+    ids = full.data_collator([full.train_dataset[0]])["input_ids"][0].tolist()
+    cut = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path / "b")
+                                                  | {"model": vlm, "max_length": len(ids) - 3}), progress=False)
+    batch = cut.data_collator([cut.train_dataset[0]])
+    assert batch["input_ids"][0].tolist() == ids[:-3]
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_vlm_step_trains_the_language_model_and_the_vision_tower_only_when_asked(assets, vlm, tmp_path, freeze):
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from storyrl.training.rl.policy import detect_policy, vision_parameter_names
+    from storyrl.training.sft import SFTRunConfig, train
+
+    before = AutoModelForImageTextToText.from_pretrained(vlm)
+    result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out")
+                                             | {"model": vlm, "learning_rate": 1e-2, "freeze_vision_tower": freeze}),
+                   progress=False)
+    assert detect_policy(result.final_dir, read_hub=False) == "vlm"
+    after = dict(AutoModelForImageTextToText.from_pretrained(result.final_dir).named_parameters())
+    vision = set(vision_parameter_names(before))
+    assert vision
+    changed = {n for n, p in before.named_parameters() if not torch.equal(p, after[n])}
+    assert changed - vision  # the language side learnt
+    assert bool(changed & vision) is not freeze
+
+
+def test_vlm_lora_final_is_an_rl_policy_and_generates(assets, vlm, tmp_path):
+    import json as _json
+
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.data import load_data
+    from storyrl.training.rl.policy import generate_stories
+    from storyrl.training.sft import SFTRunConfig, train
+
+    lora = {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}
+    result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out")
+                                             | {"model": vlm, "lora": lora}), progress=False)
+    final = Path(result.final_dir)
+    adapters = _json.loads((final / "adapter_config.json").read_text())
+    assert "vision_tower" in adapters["exclude_modules"]  # frozen tower: no adapters on it
+    rl = RLConfig.from_mapping({"model": vlm, "data": assets["data"], "output_dir": str(tmp_path / "rl"),
+                                "rewards": ["repetition"], "prompt": "P1", "lora": lora})
+    stories = generate_stories(rl, str(final), load_data(rl), max_new_tokens=4, device="cpu")
+    assert set(stories) == {"s0", "s1"} and all(isinstance(s, str) for s in stories.values())
+    # Merged weights are a model `storyrl generate` runs.
+    merged = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "m")
+                                             | {"model": vlm, "lora": {**lora, "merge": True}}), progress=False)
+    out = tmp_path / "stories.json"
+    run = CliRunner().invoke(main, ["generate", "--model", merged.final_dir, "--data", assets["data"], "--prompt", "P1",
+                                    "--out", str(out), "--device", "cpu", "--max-new-tokens", "3", "--quiet"])
+    assert run.exit_code == 0, run.output
+    assert set(_json.loads(out.read_text())) == {"s0", "s1"}
+
+
+def test_tapm_is_refused_in_one_line(assets, tmp_path):
+    from storyrl.training.sft import SFTRunConfig, build_trainer
+
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path, policy="tapm"))
+    with pytest.raises(ValueError, match=r"a TAPM model; storyrl train sft fine-tunes causal LMs and VLMs only") as err:
+        build_trainer(config, progress=False)
+    assert "\n" not in str(err.value)
