@@ -312,10 +312,13 @@ def _one(config, policy: Policy, record: StoryRecord, kind: str, max_new_tokens:
         return None
 
 
-def _generate(policy: Policy, rows: list[dict], max_new_tokens: int) -> list[str]:
+def _generate(policy: Policy, rows: list[dict], max_new_tokens: int, *, do_sample: bool = False,
+              temperature: float = 1.0, top_p: float = 1.0, num_return_sequences: int = 1) -> list[str]:
     """Tokenise the rows' prompts as TRL's GRPOTrainer does (chat template
     with the images for conversational prompts, the text as is otherwise)
-    and decode the greedy continuations."""
+    and decode the greedy continuations, or with ``do_sample`` sampled ones
+    (``temperature``, nucleus ``top_p``; ``num_return_sequences`` per row,
+    a row's continuations next to each other; the caller seeds torch)."""
     import torch
     from trl.data_utils import prepare_multimodal_messages
 
@@ -333,7 +336,10 @@ def _generate(policy: Policy, rows: list[dict], max_new_tokens: int) -> list[str
     inputs = {k: v.to(model.device) if hasattr(v, "to") else v for k, v in inputs.items()}
     tokenizer = policy.tokenizer
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             pad_token_id=tokenizer.pad_token_id)
+        # top_k=0: only temperature and top_p shape the distribution (no model-config top-k).
+        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0,
+                    "num_return_sequences": num_return_sequences} if do_sample else {"do_sample": False}
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, num_beams=1,
+                             pad_token_id=tokenizer.pad_token_id, **sampling)
     new = out[:, inputs["input_ids"].shape[1]:]
     return [t.strip() for t in tokenizer.batch_decode(new, skip_special_tokens=True)]
