@@ -69,3 +69,5 @@ TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
              "RL fine-tuning of a storyteller (causal LM, VLM or TAPM) against storyrl rewards: ppo, grpo or rloo.")
 TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
              "Supervised fine-tuning of a causal-LM storyteller on human stories (TRL SFTTrainer), RL's prompt.")
+TRAINERS.add("dpo", "storyrl.training.dpo:TRAINER",
+             "DPO of a causal-LM storyteller on story preference pairs (TRL DPOTrainer), RL's prompt and monitors.")

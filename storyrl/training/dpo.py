@@ -78,7 +78,7 @@ class DPORunConfig(StorytellerConfig):
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
                                         "none.")
     # -- monitoring -----------------------------------------------------------------
-    rewards: list[str | dict[str, Any]] = option(factory=list, help="Rewards that score the monitoring samples: "
+    rewards: list[str | dict[str, Any]] = option(factory=list, help="Rewards that score the monitoring samples: "  # noqa: RUF009
                                                  "registered names, reward config YAML paths or mappings.")
     sample_steps: int | None = option(None, "Every N optimizer steps, write and score stories for sample_prompts "
                                       "sequences of data (none: no monitoring).", min=1)
@@ -144,7 +144,8 @@ def load_pairs(path: str | Path) -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{where}: not JSON ({exc.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+                # A fault of the file's content, reported like the others.
+                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004
             for key in ("chosen", "rejected"):
                 if not isinstance(row.get(key), str) or not row[key].strip():
                     raise ValueError(f"{where}: {key!r} must be a non-empty story (string)")
