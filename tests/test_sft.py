@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
@@ -183,7 +184,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(assets, tmp_pa
         sft.train(config(tmp_path / "cut"), progress=False)
     assert not (tmp_path / "cut" / "checkpoint-3").exists()
     class Count(TrainerCallback):
-        steps: list[int] = []
+        steps: ClassVar[list[int]] = []
 
         def on_step_end(self, args, state, control, **kwargs):
             self.steps.append(state.global_step)
@@ -229,8 +230,7 @@ def test_vlm_batch_has_rl_images_and_masks_the_whole_prompt(assets, vlm, tmp_pat
     from transformers import AutoProcessor
 
     from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import prompt_rows
-    from storyrl.training.rl.data import load_data
+    from storyrl.training.rl.data import load_data, prompt_rows
     from storyrl.training.sft import SFTRunConfig, build_trainer
 
     config = SFTRunConfig.from_mapping(options(assets, tmp_path) | {"model": vlm})
@@ -331,3 +331,109 @@ def test_tapm_is_refused_in_one_line(assets, tmp_path):
     with pytest.raises(ValueError, match=r"a TAPM model; storyrl train sft fine-tunes causal LMs and VLMs only") as err:
         build_trainer(config, progress=False)
     assert "\n" not in str(err.value)
+
+
+# -- data formats and prompt options ------------------------------------------------------
+
+
+def _write_vist(path: Path, image_root: Path) -> None:
+    """Two VIST SIS stories (4 and 3 photos), storylets out of photo order."""
+    from tiny_models import write_images
+
+    paths = write_images(image_root, 4)
+    for k, p in enumerate(paths):
+        p.rename(image_root / f"{100 + k}{p.suffix}")
+    storylets = [("a", 1, 101, TAPM_TEXTS[1]), ("a", 0, 100, TAPM_TEXTS[0]), ("a", 3, 103, TAPM_TEXTS[3]),
+                 ("a", 2, 102, TAPM_TEXTS[2]), ("b", 2, 102, TAPM_TEXTS[4]), ("b", 0, 100, TAPM_TEXTS[2]),
+                 ("b", 1, 101, TAPM_TEXTS[0])]
+    path.write_text(json.dumps({"annotations": [[{"story_id": s, "worker_arranged_photo_order": o,
+                                                  "photo_flickr_id": str(i), "text": t}]
+                                                for s, o, i, t in storylets]}), encoding="utf-8")
+
+
+def _chat_prompt(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_vist_sis_rows_are_rl_prompts_and_the_storylets_in_photo_order(assets, tmp_path):
+    from storyrl.training.sft import SFTRunConfig, sft_dataset
+
+    data = tmp_path / "train.story-in-sequence.json"
+    _write_vist(data, tmp_path / "images")
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", data=str(data),
+                                               image_root=str(tmp_path / "images")))
+    from transformers import AutoTokenizer
+
+    rows = list(sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["chat"])))
+    assert rows == [
+        {"prompt": _chat_prompt(P1.format(n="four")),
+         "completion": [{"role": "assistant", "content": " ".join(TAPM_TEXTS[0:4])}]},
+        {"prompt": _chat_prompt(P1.format(n="three")),
+         "completion": [{"role": "assistant", "content": " ".join([TAPM_TEXTS[2], TAPM_TEXTS[0], TAPM_TEXTS[4]])}]},
+    ]
+
+
+def _write_vwp(path: Path, image_root: Path) -> None:
+    from tiny_models import write_images
+
+    names = [p.name for p in write_images(image_root, 3)]
+    header = "scene_full_id,story,link0,link1,link2,select_imgs_list\n"
+    path.write_text(header + f'tt01,"{STORIES[0]}",{names[0]},{names[1]},{names[2]},"[1, 2, 3]"\n'
+                    + f'tt01,"  {STORIES[1]} ",{names[2]},{names[0]},,"[3, 1]"\n', encoding="utf-8")
+
+
+def test_vwp_rows_plain_prompt_and_the_story_after_a_space(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    from storyrl.training.sft import SFTRunConfig, sft_dataset
+
+    data = tmp_path / "vwp.csv"
+    _write_vwp(data, tmp_path / "images")
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", model="plain", data=str(data),
+                                               image_root=str(tmp_path / "images")))
+    rows = list(sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["plain"])))
+    assert rows == [{"prompt": P1.format(n="three"), "completion": " " + STORIES[0]},
+                    {"prompt": P1.format(n="two"), "completion": " " + STORIES[1]}]
+
+
+def test_vwp_rows_of_a_vlm_with_separate_images(assets, vlm, tmp_path):
+    from transformers import AutoProcessor
+
+    from storyrl.training.sft import SFTRunConfig, sft_dataset
+
+    data = tmp_path / "vwp.csv"
+    _write_vwp(data, tmp_path / "images")
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", model="chat", data=str(data),
+                                               image_root=str(tmp_path / "images"))
+                                       | {"model": vlm, "setting": "separate"})
+    rows = sft_dataset(config, "vlm", AutoProcessor.from_pretrained(vlm))
+    row = rows[1]
+    image = {"type": "image", "text": None}  # Arrow gives every content entry every key (as in RL's rows)
+    assert row["prompt"] == [{"role": "user", "content": [image, image,
+                                                           {"type": "text", "text": P1.format(n="two")}]}]
+    assert row["completion"] == [{"role": "assistant", "content": STORIES[1]}]
+    assert [im.size for im in row["images"]] == [(48, 40)] * 2  # each image, as they are on disk
+    visual = sft_dataset(SFTRunConfig.from_mapping({**config.to_dict(), "setting": "visual"}), "vlm",
+                         AutoProcessor.from_pretrained(vlm))
+    assert len(visual[1]["images"]) == 1 and visual[1]["prompt"][0]["content"][0] == image
+
+
+def _prompt_text(assets, tmp_path, **extra) -> str:
+    from transformers import AutoTokenizer
+
+    from storyrl.training.sft import SFTRunConfig, sft_dataset
+
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", model="plain", **extra))
+    return sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["plain"]))[0]["prompt"]
+
+
+def test_prompt_prompts_file_and_fill_count_change_the_prompt(assets, tmp_path):
+    from storyrl.generators.prompts import AUTHORS_PLACEHOLDER
+
+    assert _prompt_text(assets, tmp_path) == P1.format(n="three")
+    assert _prompt_text(assets, tmp_path, prompt="P2") == (
+        "Generate a story consisting of three sentences for this image sequence. Use only three sentences and not more.")
+    assert _prompt_text(assets, tmp_path, fill_count=False) == P1.format(n=AUTHORS_PLACEHOLDER)
+    prompts = tmp_path / "mine.yaml"
+    prompts.write_text(yaml.safe_dump({"prompts": [{"name": "mine", "kind": "visual", "text": "Tell {n} things:"}]}))
+    assert _prompt_text(assets, tmp_path, prompts_file=str(prompts), prompt="mine") == "Tell three things:"
