@@ -437,3 +437,91 @@ def test_prompt_prompts_file_and_fill_count_change_the_prompt(assets, tmp_path):
     prompts = tmp_path / "mine.yaml"
     prompts.write_text(yaml.safe_dump({"prompts": [{"name": "mine", "kind": "visual", "text": "Tell {n} things:"}]}))
     assert _prompt_text(assets, tmp_path, prompts_file=str(prompts), prompt="mine") == "Tell three things:"
+
+
+# -- training options -----------------------------------------------------------------------
+
+
+def _weights(directory) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(Path(directory) / "model.safetensors")
+
+
+def test_learning_rate_zero_keeps_the_weights(assets, tmp_path):
+    import torch
+
+    from storyrl.training.sft import SFTRunConfig, train
+
+    result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out", learning_rate=0.0)), progress=False)
+    before, after = _weights(assets["chat"]), _weights(result.final_dir)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_gradient_accumulation_makes_one_step_of_the_whole_batch(assets, tmp_path):
+    import torch
+
+    from storyrl.training.sft import SFTRunConfig, train
+
+    def run(name, **extra):
+        result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / name, **extra)), progress=False)
+        assert result.steps == 1
+        return result, _weights(result.final_dir)
+
+    whole, w_whole = run("whole", batch_size=2)
+    accumulated, w_acc = run("acc", batch_size=1, gradient_accumulation_steps=2)
+    _, w_single = run("single", batch_size=1)
+    # Two batches of one, accumulated: the same loss (mean over all story tokens) and the same update.
+    assert accumulated.summary()["last_loss"] == pytest.approx(whole.summary()["last_loss"], abs=1e-5)
+    assert all(torch.allclose(w_acc[k], w_whole[k], atol=1e-6) for k in w_whole)
+    assert not all(torch.allclose(w_single[k], w_whole[k], atol=1e-6) for k in w_whole)
+
+
+@pytest.mark.parametrize("extra, steps", [({"epochs": 2.0, "max_steps": None}, 2),
+                                          ({"epochs": 1.5, "max_steps": None, "batch_size": 1}, 3),
+                                          ({"epochs": 2.0, "max_steps": 3}, 3)])
+def test_epochs_unless_max_steps(assets, tmp_path, extra, steps):
+    from storyrl.training.sft import SFTRunConfig, train
+
+    result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out", **extra)), progress=False)
+    assert result.steps == steps
+    assert [s for s, _ in _losses(result.history)] == list(range(1, steps + 1))
+
+
+def test_max_length_cuts_the_story_end_and_a_prompt_that_does_not_fit_is_an_error(assets, tmp_path):
+    from transformers import AutoTokenizer
+
+    from storyrl.training.sft import SFTRunConfig, build_trainer
+
+    ids, labels = hand_labels(AutoTokenizer.from_pretrained(assets["chat"]), STORIES[0], chat=True)
+    prompt = labels.count(-100)
+    cut = prompt + 3
+    assert len(ids) > cut
+    trainer = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path, max_length=cut)), progress=False)
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["input_ids"][0].tolist() == ids[:cut]
+    assert batch["labels"][0].tolist() == labels[:cut]
+    with pytest.raises(ValueError, match=rf"max_length {prompt}: no story fits after its prompt"):
+        build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path, max_length=prompt)), progress=False)
+
+
+def test_shipped_config_loads_and_every_key_is_an_option(tmp_path):
+    from dataclasses import fields
+
+    from storyrl.training.sft import SFTRunConfig
+    from storyrl.training.storyteller import LoraOptions
+
+    path = Path(__file__).parents[1] / "configs" / "training" / "sft.yaml"
+    raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    names = {f.name for f in fields(SFTRunConfig)}
+    assert set(raw) <= names, set(raw) - names
+    assert set(raw["lora"]) <= {f.name for f in fields(LoraOptions)}
+    data = tmp_path / "train.story-in-sequence.json"  # the placeholder data path, made real here
+    _write_vist(data, tmp_path / "images")
+    config = SFTRunConfig.from_yaml(path, data=str(data))
+    assert config.data == str(data)
+    for key, value in raw.items():
+        if key == "lora":
+            assert {k: getattr(config.lora, k) for k in value} == value
+        elif key != "data":
+            assert getattr(config, key) == value, key

@@ -120,6 +120,8 @@ def _sft_args(config: SFTRunConfig, progress: bool, kind: str):
 
 def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list | None = None):
     """TRL's SFTTrainer of ``config`` (policy, dataset, LoRA), not yet trained."""
+    import logging
+
     from trl import SFTTrainer
 
     from storyrl.training.rl.policy import load_policy, lora_config
@@ -135,6 +137,14 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
     trainer = SFTTrainer(model=policy.model, args=_sft_args(config, progress, kind), train_dataset=dataset,
                          processing_class=policy.processing_class, peft_config=lora_config(config, kind),
                          callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
+    # TRL drops the rows whose story is cut off entirely (prompt >= max_length).
+    kept, total = len(trainer.train_dataset), len(dataset)
+    if kept == 0:
+        raise ValueError(f"max_length {config.max_length}: no story fits after its prompt ({total} rows dropped); "
+                         "raise max_length")
+    if kept < total:
+        logging.getLogger(__name__).warning("max_length %d: %d of %d stories do not fit after their prompt; they are "
+                                            "left out", config.max_length, total - kept, total)
     from transformers import PrinterCallback, ProgressCallback
 
     from storyrl.console import verbose
