@@ -53,7 +53,7 @@ def assets(tmp_path_factory):
 
 
 def options(assets, out, model="chat", **extra):
-    return {"model": assets[model], "data": assets["data"], "pairs": assets["pairs"], "output_dir": str(out),
+    return {"model": assets.get(model, model), "data": assets["data"], "pairs": assets["pairs"], "output_dir": str(out),
             "prompt": "P1", "max_steps": 1, "batch_size": 2, "learning_rate": 1e-3, "logging_steps": 1, "seed": 0,
             **extra}
 
@@ -303,7 +303,7 @@ def test_cli_final_is_an_rl_policy_and_the_directory_is_guarded(assets, tmp_path
     ({"rewards": ["repetition"]}, "set sample_steps"),
     ({"rewards": ["no_such_reward"], "sample_steps": 1}, r"rewards\[0\]"),
     ({"pairs": "/nonexistent/pairs.jsonl"}, "pairs: no such file"),
-    ({"policy": "vlm"}, "causal-LM storytellers only"),
+    ({"policy": "tapm"}, "TAPM reads visual features"),
     ({"report_to": "nope"}, "unknown tracker 'nope'"),
 ])
 def test_config_errors_are_one_line(assets, tmp_path, extra, message):
@@ -328,3 +328,42 @@ def test_malformed_pairs_name_file_line_and_fault(assets, tmp_path, lines, messa
     with pytest.raises(ValueError, match=message) as info:
         build_trainer(config(assets, tmp_path / "out", pairs=str(pairs)), progress=False)
     assert "\n" not in str(info.value) and str(pairs) in str(info.value)
+
+
+def test_vlm_policy_sees_the_sequence_image_and_trains(assets, tmp_path):
+    from tiny_models import save_tiny_chat_vlm
+
+    from storyrl.training.dpo import build_trainer, train
+    from storyrl.training.rl.data import _Prompter
+    from storyrl.training.rl.policy import load_policy
+
+    vlm = save_tiny_chat_vlm(tmp_path / "vlm", TEXTS)
+    extra = {"model": vlm, "sequence_image_size": "64x32", "sample_steps": 1, "sample_max_new_tokens": 4}
+    run = config(assets, tmp_path / "b", **extra)
+    trainer = build_trainer(run, progress=False)
+    row = trainer.train_dataset[0]
+    # The visual setting's sequence image, as RL's prompts show it.
+    expected = _Prompter(run, "vlm", trainer.processing_class).images("s0", assets["images"])
+    assert len(row["images"]) == 1 and row["images"][0].size == expected[0].size != (64, 32)
+    assert np.array_equal(np.asarray(row["images"][0].convert("RGB")), np.asarray(expected[0].convert("RGB")))
+    batch = trainer.data_collator([dict(row)])
+    assert "pixel_values" in batch
+    tokenizer = trainer.processing_class.tokenizer
+    image_token = tokenizer.convert_tokens_to_ids(trainer.processing_class.image_token)
+    ids, mask = batch["input_ids"][0], batch["completion_mask"][0]
+    assert image_token in ids[mask == 0].tolist() and image_token not in ids[mask == 1].tolist()
+    story, completion = tokenizer(STORY_A, add_special_tokens=False)["input_ids"], ids[mask == 1].tolist()
+    assert any(completion[k:k + len(story)] == story for k in range(len(completion)))
+    assert len(completion) <= len(story) + 3  # the story and what closes the turn
+    assert batch_loss(trainer) == pytest.approx(math.log(2), abs=1e-6)  # the reference is the start
+    result = train(config(assets, tmp_path / "out", max_steps=2, **extra), progress=False)
+    losses = [e["loss"] for e in result.history if "loss" in e]
+    assert losses[-1] < losses[0]
+    assert "story/words_mean" in result.history[0]
+    policy = load_policy(config(assets, tmp_path / "rl", **{**extra, "model": result.final_dir}))
+    assert policy.kind == "vlm"
+
+
+def test_vlm_refuses_the_files_prompt(assets, tmp_path):
+    with pytest.raises(ValueError, match="prompts: pairs: a VLM policy"):
+        config(assets, tmp_path, policy="vlm", prompts="pairs")

@@ -23,7 +23,9 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   ``OUTPUT_DIR/final`` (full weights, merged weights with ``lora.merge``, or
   adapters, with the tokenizer and dpo_config.yaml) is a ``storyrl train rl
   --model`` and a ``storyrl generate`` model.
-* Text policies (causal LMs) only; VLMs and TAPM are refused.
+* Causal-LM and VLM policies (a VLM sees the pair's images as RL shows them:
+  the sequence image, or each image with ``setting: separate``, made when
+  the pairs are read); TAPM is refused.
 """
 
 from __future__ import annotations
@@ -106,8 +108,10 @@ class DPORunConfig(StorytellerConfig):
         problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
                      if t not in TRACKERS]
         kind = self.policy_kind(read_hub=False)
-        if kind in ("vlm", "tapm"):
+        if kind == "tapm":
             problems.append(_kind_refusal(self.model, kind))
+        if kind == "vlm" and self.prompts != "template":
+            problems.append("prompts: pairs: a VLM policy's prompt holds the images; use prompts: template")
         return super()._problems() + problems
 
     def build_rewards(self) -> list[Any]:
@@ -117,8 +121,8 @@ class DPORunConfig(StorytellerConfig):
 
 
 def _kind_refusal(model: str, kind: str) -> str:
-    return (f"model {model}: a {kind} model; storyrl train dpo trains causal-LM storytellers only (VLM and TAPM "
-            "support is not there yet)")
+    return (f"model {model}: a {kind} model; storyrl train dpo trains causal-LM and VLM storytellers (TAPM reads "
+            "visual features TRL's DPOTrainer does not pass)")
 
 
 @dataclass(kw_only=True)
@@ -174,23 +178,35 @@ def _completion(prompt: Any, story: str) -> Any:
 def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
     """TRL preference rows (prompt, chosen, rejected) of ``config.pairs``,
     the prompt as ``config.prompts`` says (module docs); no images column
-    (a text policy sees none)."""
+    for a text policy, PIL images for a VLM."""
     from datasets import Dataset
 
+    from storyrl.images import resolve_images
     from storyrl.training.rl.data import _Prompter
 
+    if kind == "vlm" and config.prompts != "template":
+        raise ValueError(f"{config.pairs}: prompts: pairs: a VLM policy's prompt holds the images; use prompts: "
+                         "template")
     prompter = _Prompter(config, kind, processing_class) if config.prompts == "template" else None
     rows = []
     for pair in load_pairs(config.pairs):
+        where = f"{config.pairs}:{pair['_line']}"
         if prompter is not None:
             if not pair["images"]:
-                raise ValueError(f"{config.pairs}:{pair['_line']}: no images, so no template prompt (it needs the "
-                                 "image count); give the pair its images or set prompts: pairs")
+                raise ValueError(f"{where}: no images, so no template prompt (it needs the image count); give the "
+                                 "pair its images or set prompts: pairs")
             prompt = prompter.prompt(len(pair["images"]))
         else:
             prompt = pair["prompt"]
-        rows.append({"prompt": prompt, "chosen": _completion(prompt, pair["chosen"]),
-                     "rejected": _completion(prompt, pair["rejected"])})
+        row = {"prompt": prompt, "chosen": _completion(prompt, pair["chosen"]),
+               "rejected": _completion(prompt, pair["rejected"])}
+        if kind == "vlm":  # what the policy sees: the sequence image (or each image), as in RL
+            try:
+                paths = resolve_images(pair["images"], None, config.image_root)
+                row["images"] = prompter.images(str(pair.get("story_id") or pair["_line"]), paths)
+            except ValueError as exc:  # ImageError names the file
+                raise ValueError(f"{where}: {exc}") from None
+        rows.append(row)
     return Dataset.from_list(rows)
 
 
@@ -313,7 +329,7 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
     from storyrl.training.rl.trl_trainers import HistoryCallback, QuietProgressCallback
 
     kind = config.policy_kind()
-    if kind != "causal_lm":
+    if kind not in ("causal_lm", "vlm"):
         raise ValueError(_kind_refusal(config.model, kind))
     policy = load_policy(config, kind)
     dataset = dpo_dataset(config, kind, policy.processing_class)
@@ -356,7 +372,8 @@ def train(config: DPORunConfig, resume: bool = False, progress: bool = True) -> 
     else:
         trainer.save_model(str(final))
     if trainer.is_world_process_zero():
-        trainer.processing_class.padding_side = "left"  # what generation (and RL) wants
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        tokenizer.padding_side = "left"  # what generation (and RL) wants
         trainer.processing_class.save_pretrained(final)
         config.to_yaml(final / "dpo_config.yaml")
     return DPOResult(output_dir=config.output_dir, steps=trainer.state.global_step,
