@@ -70,4 +70,4 @@ TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
 TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
              "Supervised fine-tuning of a causal-LM storyteller on human stories (TRL SFTTrainer), RL's prompt.")
 TRAINERS.add("dpo", "storyrl.training.dpo:TRAINER",
-             "DPO of a causal-LM storyteller on story preference pairs (TRL DPOTrainer), RL's prompt and monitors.")
+             "DPO of a storyteller (causal LM or VLM) on story preference pairs (TRL DPOTrainer) with RL's monitors.")
