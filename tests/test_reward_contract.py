@@ -162,6 +162,29 @@ def _cosmic(request) -> Case:
                 {"images": [images, images[::-1], images, images], "reference": [REFERENCE, STORY, OTHER, OTHER]})
 
 
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory) -> str:
+    """A random-weight one-output LLaMA classifier saved as storyrl train reward_model saves final/."""
+    import json
+
+    from tiny_models import chat_tokenizer, tiny_llama
+    from transformers import AutoModelForSequenceClassification
+
+    root = tmp_path_factory.mktemp("reward_model")
+    tiny_llama(chat_tokenizer([STORY, OTHER]), seed=0).save_pretrained(root / "lm")
+    chat_tokenizer([STORY, OTHER]).save_pretrained(root / "final")
+    AutoModelForSequenceClassification.from_pretrained(root / "lm", num_labels=1).save_pretrained(root / "final")
+    (root / "final" / "storyrl_reward_model.json").write_text(json.dumps({"max_length": 64, "prompt": "Tell."}))
+    return str(root / "final")
+
+
+def _reward_model(request) -> Case:
+    model = request.getfixturevalue("reward_model_dir")
+    # An empty story: unscorable.
+    return Case(lambda: create_reward("reward_model", model=model, device="cpu", batch_size=2),
+                [STORY, OTHER, "", None], {})
+
+
 def _dhm(request) -> Case:
     # No reference: no human story to compare with, unscorable.
     return Case(lambda: create_reward("dhm", dimensions=["repetition"]),
@@ -203,6 +226,7 @@ CASES = {
     "cosmic": _cosmic,
     "dhm": _dhm,
     "weighted": _weighted,
+    "reward_model": _reward_model,
     "remote": _remote,
 }
 

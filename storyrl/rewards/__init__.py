@@ -60,6 +60,8 @@ REWARDS.add("dhm", "storyrl.rewards.dhm:DHM",
             "Minus d_HM to the human story: weighted mean |human - model| of grounding, coherence, repetition.")
 REWARDS.add("remote", "storyrl.rewards.remote:RemoteReward",
             "A reward scored by a `storyrl serve` server over HTTP (retries, timeouts, failures are None).")
+REWARDS.add("reward_model", "storyrl.rewards.reward_model:RewardModel",
+            "A learned story reward model (storyrl train reward_model): the model's logit of the story.")
 REWARDS.add("weighted", "storyrl.rewards.weighted:Weighted",
             "Weighted sum of rewards, each optionally normalised (batch or group z-score, fixed range).")
 
