@@ -71,3 +71,5 @@ TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
              "Supervised fine-tuning of a causal-LM storyteller on human stories (TRL SFTTrainer), RL's prompt.")
 TRAINERS.add("dpo", "storyrl.training.dpo:TRAINER",
              "DPO of a storyteller (causal LM or VLM) on story preference pairs (TRL DPOTrainer) with RL's monitors.")
+TRAINERS.add("reward_model", "storyrl.training.reward_model:TRAINER",
+             "Story reward model (TRL RewardTrainer, Bradley-Terry) on storyrl pairs; the reward_model reward.")
