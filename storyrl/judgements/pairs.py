@@ -7,7 +7,8 @@ JSONL pairs
 One JSON object per line (blank lines skipped):
 
 ``better``, ``worse`` (required, non-empty strings)
-    the preferred and the other story.
+    the preferred and the other story; or ``chosen``, ``rejected`` (TRL's
+    preference format, as ``storyrl pairs`` writes it), read the same way.
 ``subsets`` (list of strings) or ``subset`` (string)
     the subsets the pair is counted in, besides ``all``.
 ``gap`` (number)
@@ -199,7 +200,12 @@ def _string(value: Any, where: str, key: str, required: bool = False) -> str | N
 def _pair(obj: Any, where: str) -> PreferencePair:
     if not isinstance(obj, dict):
         raise JudgementDataError(f"{where}: a pair must be a JSON object")
-    for key in ("better", "worse"):
+    # TRL preference rows (storyrl pairs): chosen/rejected name better/worse.
+    trl = "chosen" in obj or "rejected" in obj
+    if trl and ("better" in obj or "worse" in obj):
+        raise JudgementDataError(f"{where}: give 'better'/'worse' or 'chosen'/'rejected', not both")
+    better_key, worse_key = ("chosen", "rejected") if trl else ("better", "worse")
+    for key in (better_key, worse_key):
         if key not in obj:
             raise JudgementDataError(f"{where}: missing field {key!r}")
     if "subsets" in obj and "subset" in obj:
@@ -217,8 +223,8 @@ def _pair(obj: Any, where: str) -> PreferencePair:
     if reference is not None:
         references = (*(references or ()), reference)
     return PreferencePair(
-        better=_string(obj["better"], where, "better", required=True),
-        worse=_string(obj["worse"], where, "worse", required=True),
+        better=_string(obj[better_key], where, better_key, required=True),
+        worse=_string(obj[worse_key], where, worse_key, required=True),
         subsets=tuple(dict.fromkeys(subsets or ())),
         story_id=_string(obj.get("story_id"), where, "story_id"),
         gap=None if gap is None else float(gap),

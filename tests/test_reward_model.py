@@ -1,0 +1,354 @@
+"""storyrl train reward_model and the reward_model reward: Bradley-Terry loss
+by hand, a separable toy preference learnt (held-out accuracy 1), the
+reward's scores = a forward pass, options and errors, storyrl pairs rows in
+meta-eval pairs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from tiny_models import save_tiny_llama
+
+import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
+
+PROMPT = "Write a story about this sequence of images."
+SUBJECTS = ["the dog", "a cat", "the man", "my mom", "our team", "the bird", "a girl", "the kids"]
+TEXTS = [PROMPT, *[f"{s} was good and happy ." for s in SUBJECTS], *[f"{s} was bad and sad ." for s in SUBJECTS],
+         "we went home .", "a long day at the park with the dog ."]
+
+
+def good(subject: str) -> str:
+    return f"{subject} was good and happy ."
+
+
+def bad(subject: str) -> str:
+    return f"{subject} was bad and sad ."
+
+
+@pytest.fixture(autouse=True)
+def _quiet_and_offline(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_pairs(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def pair(k: int, subject: str, prompt: str = PROMPT, **extra) -> dict:
+    return {"prompt": prompt, "chosen": good(subject), "rejected": bad(subject), "images": [],
+            "story_id": f"s{k}", "source": "toy", "chosen_score": 1.0, "rejected_score": 0.0, "margin": 1.0, **extra}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    rows = [pair(k, s) for k, s in enumerate(SUBJECTS)]
+    return {"model": save_tiny_llama(root / "llama", TEXTS, chat=False),
+            "pairs": write_pairs(root / "pairs.jsonl", rows), "rows": rows, "root": root}
+
+
+def options(assets, out, **extra):
+    return {"model": assets["model"], "pairs": assets["pairs"], "output_dir": str(out), "max_steps": 1,
+            "batch_size": 8, "learning_rate": 5e-3, "logging_steps": 1, "seed": 0, "eval_fraction": 0.0,
+            "max_length": 64, **extra}
+
+
+def config_of(assets, out, **extra):
+    from storyrl.training.reward_model import RewardModelRunConfig
+
+    return RewardModelRunConfig.from_mapping(options(assets, out, **extra))
+
+
+def hand_ids(tokenizer, story: str, prompt: str | None, max_length: int = 64) -> list[int]:
+    # prompt, a space, the story, then the EOS token TRL appends; cut at max_length
+    text = (prompt + " " + story if prompt is not None else story) + tokenizer.eos_token
+    return tokenizer(text)["input_ids"][:max_length]
+
+
+def logit(model, ids: list[int]) -> float:
+    import torch
+
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+@pytest.fixture(scope="module")
+def trained(assets, tmp_path_factory):
+    """A run that holds 2 of 8 sequences out and learns good > bad."""
+    from storyrl.training.reward_model import RewardModelRunConfig, train
+
+    out = tmp_path_factory.mktemp("run") / "out"
+    config = RewardModelRunConfig.from_mapping(options(assets, out, max_steps=25, batch_size=6, eval_fraction=0.25,
+                                                       logging_steps=5))
+    return train(config, progress=False)
+
+
+# -- training -----------------------------------------------------------------------------
+
+
+def test_one_step_loss_is_the_bradley_terry_loss_of_a_forward_pass(assets, tmp_path):
+    import torch
+
+    from storyrl.training.reward_model import load_backbone, train
+
+    config = config_of(assets, tmp_path / "out")
+    model, tokenizer = load_backbone(config)  # the same seed: the same fresh score head
+    model.eval()
+    chosen = torch.tensor([logit(model, hand_ids(tokenizer, r["chosen"], PROMPT)) for r in assets["rows"]])
+    rejected = torch.tensor([logit(model, hand_ids(tokenizer, r["rejected"], PROMPT)) for r in assets["rows"]])
+    want = float(-torch.log(torch.sigmoid(chosen - rejected)).mean())
+    result = train(config, progress=False)  # one step over all 8 pairs: the logged loss is before the update
+    losses = [e["loss"] for e in result.history if "loss" in e]
+    assert losses == [pytest.approx(want, rel=1e-4)]
+    assert math.isclose(want, math.log(2), rel_tol=0.5)  # random head: near log 2, not a degenerate 0
+
+
+def test_a_separable_preference_is_learnt_and_held_out_pairs_are_all_right(trained):
+    assert trained.heldout_pairs == 2 and trained.heldout_accuracy == 1.0
+    summary = trained.summary()
+    assert summary["heldout_accuracy"] == 1.0 and summary["steps"] == 25
+    losses = [e["loss"] for e in trained.history if "loss" in e]
+    assert losses[-1] < losses[0]
+    lines = [json.loads(x) for x in (Path(trained.output_dir) / "history.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"heldout_pairs": 2, "heldout_accuracy": 1.0, "step": 25}
+    held = [json.loads(x) for x in (Path(trained.output_dir) / "heldout_pairs.jsonl").read_text().splitlines()]
+    assert len(held) == 2 and all(r["chosen"].endswith("good and happy .") for r in held)
+    metadata = json.loads((Path(trained.final_dir) / "storyrl_reward_model.json").read_text())
+    assert metadata["max_length"] == 64 and metadata["prompt"] == PROMPT and metadata["include_prompt"] is True
+
+
+def test_split_is_by_story_id_seeded_and_fraction_sized():
+    from storyrl.training.reward_model import split_pairs
+
+    rows = [{"story_id": f"s{k // 2}", "chosen": "a", "rejected": "b", "_line": k + 1} for k in range(20)]
+    train, held = split_pairs(rows, 0.3, seed=0)
+    held_ids = {r["story_id"] for r in held}
+    assert len(held_ids) == 3 and len(held) == 6 and not held_ids & {r["story_id"] for r in train}
+    assert split_pairs(rows, 0.3, seed=0) == (train, held)
+    assert {r["story_id"] for r in split_pairs(rows, 0.3, seed=1)[1]} != held_ids
+    assert split_pairs(rows, 0.0, seed=0) == (rows, [])
+    # no story_id: each pair is its own group; a single group is never all held out
+    loose = [{"chosen": "a", "rejected": "b", "_line": k} for k in range(10)]
+    assert len(split_pairs(loose, 0.5, seed=0)[1]) == 5
+    assert split_pairs(rows[:2], 0.9, seed=0) == (rows[:2], [])
+
+
+def test_max_length_and_include_prompt_change_the_trained_tokens(assets, tmp_path):
+    from storyrl.training.reward_model import build_trainer
+
+    trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "a"), progress=False)
+    tokenizer = trainer.processing_class
+    first = trainer.train_dataset[0]
+    assert prompt == PROMPT
+    assert first["chosen_ids"] == hand_ids(tokenizer, assets["rows"][0]["chosen"], PROMPT)
+    trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "b", include_prompt=False, max_length=4),
+                                       progress=False)
+    first = trainer.train_dataset[0]
+    assert prompt is None
+    assert first["rejected_ids"] == hand_ids(tokenizer, assets["rows"][0]["rejected"], None, 4)
+    assert len(first["rejected_ids"]) == 4 and len(trainer.train_dataset) == 8  # cut, not dropped
+
+
+def test_include_prompt_false_saves_no_prompt_and_the_reward_scores_the_story_alone(assets, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from storyrl.rewards import create_reward
+    from storyrl.training.reward_model import train
+
+    result = train(config_of(assets, tmp_path / "out", include_prompt=False, max_length=32), progress=False)
+    final = result.final_dir
+    metadata = json.loads((Path(final) / "storyrl_reward_model.json").read_text())
+    assert metadata["prompt"] is None and metadata["max_length"] == 32
+    model = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    story = good("the dog")
+    got = create_reward("reward_model", model=final, device="cpu").score([story])[0]
+    assert got == pytest.approx(logit(model, hand_ids(tokenizer, story, None, 32)), abs=1e-5)
+
+
+def test_lora_merge_saves_full_weights_and_adapters_load_in_the_reward(assets, tmp_path):
+    from storyrl.rewards import create_reward
+    from storyrl.training.reward_model import train
+
+    lora = {"enabled": True, "r": 4, "alpha": 8}
+    adapters = train(config_of(assets, tmp_path / "a", lora=lora), progress=False)
+    assert (Path(adapters.final_dir) / "adapter_config.json").is_file()
+    merged = train(config_of(assets, tmp_path / "m", lora={**lora, "merge": True}), progress=False)
+    assert not (Path(merged.final_dir) / "adapter_config.json").exists()
+    a = create_reward("reward_model", model=adapters.final_dir, device="cpu").score([good("a cat"), bad("a cat")])
+    m = create_reward("reward_model", model=merged.final_dir, device="cpu").score([good("a cat"), bad("a cat")])
+    np.testing.assert_allclose(a, m, atol=1e-4)  # the same seed and data: the same run, saved two ways
+
+
+def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from storyrl.training.reward_model import train
+
+    whole = train(config_of(assets, tmp_path / "whole", max_steps=4, batch_size=4, save_steps=2), progress=False)
+    cut = tmp_path / "cut"
+    train(config_of(assets, cut, max_steps=4, batch_size=4, save_steps=2), progress=False)
+    import shutil
+
+    for path in ("final", "checkpoint-4"):  # as if killed after checkpoint-2
+        shutil.rmtree(cut / path)
+    resumed = train(config_of(assets, cut, max_steps=4, batch_size=4, save_steps=2), resume=True, progress=False)
+    assert resumed.steps == 4
+    a = load_file(Path(whole.final_dir) / "model.safetensors")
+    b = load_file(Path(resumed.final_dir) / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- the reward -------------------------------------------------------------------------------
+
+
+def test_reward_scores_equal_a_forward_pass_and_batched_equals_one_by_one(trained):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from storyrl.rewards import create_reward
+
+    final = trained.final_dir
+    model = AutoModelForSequenceClassification.from_pretrained(final).eval()
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    stories = [good("the dog"), "we went home .", "a long day at the park with the dog .", bad("my mom")]
+    reward = create_reward("reward_model", model=final, device="cpu", batch_size=3)
+    batch = reward.score(stories)
+    want = [logit(model, hand_ids(tokenizer, s, PROMPT)) for s in stories]
+    np.testing.assert_allclose(batch, want, atol=1e-5)
+    np.testing.assert_allclose(batch, [reward.score([s])[0] for s in stories], atol=1e-5)
+    assert batch[0] > batch[3]  # learnt: good over bad
+    # max_length replaces the trained limit: the logit of the first 5 tokens
+    short = create_reward("reward_model", model=final, device="cpu", max_length=5).score(stories[:1])[0]
+    assert short == pytest.approx(logit(model, hand_ids(tokenizer, stories[0], PROMPT, 5)), abs=1e-5)
+    assert short != pytest.approx(batch[0], abs=1e-4)
+
+
+def test_empty_and_non_text_stories_are_nan_and_trl_gets_none(trained):
+    from storyrl.rewards import create_reward
+
+    reward = create_reward("reward_model", model=trained.final_dir, device="cpu")
+    scores = reward.score([good("a cat"), "", "   ", None])
+    assert np.isfinite(scores[0]) and np.isnan(scores[1:]).all()
+    assert reward(prompts=["p"] * 2, completions=[good("a cat"), ""])[1] is None
+    assert reward.stats["reasons"]["empty story"] == 3
+
+
+def test_reward_pickles_and_scores_the_same(trained):
+    import pickle
+
+    from storyrl.rewards import create_reward
+
+    reward = create_reward("reward_model", model=trained.final_dir, device="cpu")
+    want = reward.score([good("a cat")])
+    np.testing.assert_array_equal(pickle.loads(pickle.dumps(reward)).score([good("a cat")]), want)
+
+
+def test_score_command_uses_the_trained_model(trained, tmp_path):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.rewards import create_reward
+
+    stories = tmp_path / "stories.jsonl"
+    stories.write_text(json.dumps({"story_id": "x", "story": good("the dog")}) + "\n", encoding="utf-8")
+    out = tmp_path / "scores.csv"
+    result = CliRunner().invoke(main, ["score", str(stories), "-m", "reward_model", "--reward-model-model",
+                                       trained.final_dir, "-o", str(out), "-q"])
+    assert result.exit_code == 0, result.output
+    want = create_reward("reward_model", model=trained.final_dir, device="cpu").score([good("the dog")])[0]
+    (row,) = csv.DictReader(out.open())
+    assert float(row["reward_model"]) == pytest.approx(want, abs=1e-6)
+
+
+# -- configs and errors ------------------------------------------------------------------------
+
+
+def test_bad_configs_are_one_line_errors(assets, tmp_path):
+    from storyrl.rewards import create_reward
+    from storyrl.training.reward_model import RewardModelRunConfig, build_trainer
+
+    with pytest.raises(ValueError, match="pairs: no such file"):
+        config_of(assets, tmp_path / "o", pairs=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="eval_fraction"):
+        config_of(assets, tmp_path / "o", eval_fraction=1.0)
+    with pytest.raises(ValueError, match="unknown key 'lr'"):
+        RewardModelRunConfig.from_mapping({**options(assets, tmp_path / "o"), "lr": 1})
+    mixed = write_pairs(tmp_path / "mixed.jsonl", [pair(0, "a cat"), pair(1, "the dog", prompt="Another prompt.")])
+    with pytest.raises(ValueError, match="include_prompt needs one prompt text.*include_prompt: false") as info:
+        build_trainer(config_of(assets, tmp_path / "o", pairs=mixed), progress=False)
+    assert "\n" not in str(info.value)
+    broken = write_pairs(tmp_path / "broken.jsonl", [pair(0, "a cat"), {"chosen": "x", "rejected": ""}])
+    with pytest.raises(ValueError, match=r"broken.jsonl: line 2: 'rejected' must be a non-empty string"):
+        build_trainer(config_of(assets, tmp_path / "o", pairs=broken), progress=False)
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    with pytest.raises(ValueError, match="not a text model; TRL's RewardTrainer scores text only"):
+        config_of(assets, tmp_path / "o", model=str(vlm))
+    with pytest.raises(ValueError, match="no storyrl_reward_model.json"):
+        create_reward("reward_model", model=str(tmp_path))
+
+
+def test_cli_reads_the_yaml_and_prints_the_summary(assets, tmp_path):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    config = tmp_path / "rm.yaml"
+    config.write_text(yaml.safe_dump(options(assets, tmp_path / "out", max_steps=5, eval_fraction=0.25)),
+                      encoding="utf-8")
+    result = CliRunner().invoke(main, ["train", "reward_model", "--config", str(config), "--max-steps", "2", "-q"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["steps"] == 2 and summary["heldout_pairs"] == 2 and 0 <= summary["heldout_accuracy"] <= 1
+    again = CliRunner().invoke(main, ["train", "reward_model", "--config", str(config), "-q"])
+    assert again.exit_code != 0 and "already holds a run" in again.output
+
+
+# -- meta-eval pairs reads storyrl pairs rows ---------------------------------------------------
+
+
+def test_meta_eval_pairs_reads_chosen_rejected_rows(tmp_path):
+    from storyrl.judgements import JudgementDataError
+    from storyrl.judgements.pairs import load_pairs_jsonl
+
+    path = write_pairs(tmp_path / "p.jsonl", [pair(0, "a cat", images=["1.jpg", "2.jpg"])])
+    (got,) = load_pairs_jsonl(path)
+    assert (got.better, got.worse, got.story_id, got.images) == (good("a cat"), bad("a cat"), "s0",
+                                                                 ("1.jpg", "2.jpg"))
+    both = write_pairs(tmp_path / "b.jsonl", [{**pair(0, "a cat"), "better": "x"}])
+    with pytest.raises(JudgementDataError, match="line 1: give 'better'/'worse' or 'chosen'/'rejected', not both"):
+        load_pairs_jsonl(both)
+    half = write_pairs(tmp_path / "h.jsonl", [{"chosen": "x"}])
+    with pytest.raises(JudgementDataError, match="missing field 'rejected'"):
+        load_pairs_jsonl(half)
+
+
+def test_meta_eval_pairs_command_scores_storyrl_pairs(tmp_path):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    rows = [{"prompt": PROMPT, "chosen": "We ran to the sea. The waves were cold. Dad laughed.",
+             "rejected": "There is a beach. There is a beach. There is a beach.", "story_id": "s0", "images": []}]
+    path = write_pairs(tmp_path / "p.jsonl", rows)
+    out = tmp_path / "table.csv"
+    result = CliRunner().invoke(main, ["meta-eval", "pairs", "--pairs", path, "-m", "repetition", "-o", str(out),
+                                       "-q"])
+    assert result.exit_code == 0, result.output
+    assert "repetition" in out.read_text()
