@@ -86,14 +86,18 @@ def logit(model, ids: list[int]) -> float:
         return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
 
 
+SEED = 2
+
+
 @pytest.fixture(scope="module")
 def trained(assets, tmp_path_factory):
     """A run that holds 2 of 8 sequences out and learns good > bad."""
     from storyrl.training.reward_model import RewardModelRunConfig, train
 
     out = tmp_path_factory.mktemp("run") / "out"
+    # seed 2: a fresh head that orders every pair wrongly, so all right afterwards is learnt
     config = RewardModelRunConfig.from_mapping(options(assets, out, max_steps=25, batch_size=6, eval_fraction=0.25,
-                                                       logging_steps=5))
+                                                       logging_steps=5, seed=SEED))
     return train(config, progress=False)
 
 
@@ -117,8 +121,13 @@ def test_one_step_loss_is_the_bradley_terry_loss_of_a_forward_pass(assets, tmp_p
     assert math.isclose(want, math.log(2), rel_tol=0.5)  # random head: near log 2, not a degenerate 0
 
 
-def test_a_separable_preference_is_learnt_and_held_out_pairs_are_all_right(trained):
+def test_a_separable_preference_is_learnt_and_held_out_pairs_are_all_right(trained, assets, tmp_path):
+    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs
+
     assert trained.heldout_pairs == 2 and trained.heldout_accuracy == 1.0
+    # Before training the fresh head of this seed orders every pair wrongly (the check can fail).
+    model, tokenizer = load_backbone(config_of(assets, tmp_path / "o", seed=SEED))
+    assert pair_accuracy(model, tokenizer, read_pairs(assets["pairs"]), PROMPT, 64) == 0.0
     summary = trained.summary()
     assert summary["heldout_accuracy"] == 1.0 and summary["steps"] == 25
     losses = [e["loss"] for e in trained.history if "loss" in e]
