@@ -57,7 +57,7 @@ class RewardModelRunConfig(Config):
     pairs: str = option(help="Preference pairs JSONL (storyrl pairs): prompt, chosen, rejected, story_id, ...",
                         path="file")
     include_prompt: bool = option(True, "Score the pairs' prompt, a space and the story (TRL's prompt + completion); "
-                                  "false: the story alone. The pairs must then share one prompt text.")
+                                  "false: the story alone. True needs one prompt text shared by all pairs.")
     eval_fraction: float = option(0.1, "Share of image sequences (story_id) held out for pair accuracy; 0 = none.",
                                   min=0.0, max=0.9)
     output_dir: str = option(help="TRL's checkpoint-<step>/, history.jsonl, heldout_pairs.jsonl and the model in "
