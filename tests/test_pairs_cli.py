@@ -1,6 +1,8 @@
 """``storyrl pairs``: preference pairs from a reward over story sets (a hand
-ranking), from VHED and VIST-Edit (what the loaders give), output safety
-and one-line errors."""
+ranking), from VHED and VIST-Edit (what the loaders give), from stories
+sampled from a tiny random LLaMA (tests/tiny_models.py; seeded sampling of
+RL's prompt, a hand ranking, resume, locks), output safety and one-line
+errors."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from storyrl.eval.pairs import DEFAULT_PROMPT, metric_pairs
 from storyrl.judgements.pairs import vhed_pairs
 from storyrl.judgements.vhed import VHED_COLUMNS, load_vhed
 from storyrl.judgements.vist_edit import load_vist_edit, vist_edit_pairs
-from storyrl.rewards import create_reward
+from storyrl.rewards import Reward, create_reward, register_reward
 
 FRESH = "We drove to the coast early. Mia ran into the cold waves. Dad built a tall castle. A wave took half of it."
 DULL = "There is a beach. There is a beach. There is a beach. There is a beach."
@@ -207,3 +209,340 @@ def test_out_must_be_jsonl(tmp_path, story_sets):
     a, b, _ = story_sets
     result = run("pairs", a, b, "-m", "repetition", "-o", tmp_path / "p.csv")
     assert result.exit_code == 2 and "*.jsonl" in result.output
+
+
+# -- pairs sampled from a policy (--policy) ---------------------------------------------------
+
+# P3 of configs/prompts/dhm.yaml, filled in by hand (the words the tiny tokenizer knows).
+P3 = ("Output a story about this sequence of images using only {n} sentences. "
+      "Make sure the story does not include more than {n} sentences.")
+HUMAN = ["a dog ran to the park .", "the cat sat on a red mat .", "we went home and slept ."]
+
+
+@register_reward()
+class _Overlap(Reward):
+    """Test reward: words shared with the human story (``reference``
+    context) plus a hundredth of the distinct words; needs the reference."""
+
+    name = "test_pairs_overlap"
+
+    def _score_batch(self, stories, reference=None, **context):
+        assert reference is not None and all(isinstance(r, str) for r in reference)
+        return np.array([len(set(s.split()) & set(r.split())) + len(set(s.split())) / 100
+                         for s, r in zip(stories, reference)])
+
+
+@pytest.fixture(scope="module")
+def policy_assets(tmp_path_factory):
+    from tiny_models import TAPM_TEXTS, save_tiny_llama, write_images
+
+    root = tmp_path_factory.mktemp("policy")
+    images = [str(p) for p in write_images(root / "images", 4)]
+    data = root / "data.jsonl"
+    # s0/s2: the story is the human one; s1 has its own reference; sequences of 3, 4, 3 images.
+    records = [{"story_id": "s0", "story": HUMAN[0], "images": images[:3]},
+               {"story_id": "s1", "story": "x", "reference": HUMAN[1], "images": images[:4]},
+               {"story_id": "s2", "story": HUMAN[2], "images": images[1:4]}]
+    write_jsonl(data, records)
+    texts = [*TAPM_TEXTS, *HUMAN, P3.format(n="three"), P3.format(n="four")]
+    return {"root": root, "images": images, "data": str(data), "records": records,
+            "chat": save_tiny_llama(root / "llama", texts), "plain": save_tiny_llama(root / "plain", texts, chat=False)}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    import torch
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads cost more than they save
+    yield
+    torch.set_num_threads(threads)
+
+
+def policy_args(assets, out, model="chat", *extra):
+    return ["pairs", "--policy", assets[model], "--data", assets["data"], "-m", "test_pairs_overlap",
+            "--max-new-tokens", 6, "-o", out, *extra]
+
+
+def sidecar(out: Path) -> list[dict]:
+    return lines(out.with_name(out.stem + ".samples.jsonl"))
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+    """Counts model.generate calls (one per sampled sequence)."""
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+    original = GenerationMixin.generate
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("num_return_sequences", 1))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", counted)
+    return calls
+
+
+def rl_prompts(assets, model="chat"):
+    from transformers import AutoTokenizer
+
+    from storyrl.datasets import load_records
+    from storyrl.training.rl.data import prompt_rows
+    from storyrl.training.storyteller import StorytellerConfig
+
+    config = StorytellerConfig.from_mapping({"model": assets[model], "data": assets["data"], "prompt": "P3"})
+    return prompt_rows(config, load_records(assets["data"]), "causal_lm", AutoTokenizer.from_pretrained(assets[model]))
+
+
+def test_policy_samples_are_seeded_sampling_of_rls_prompt(policy_assets, tmp_path, generate_calls):
+    """The sidecar's stories are what transformers samples, from the seed of
+    (seed, story id), for the chat-templated RL prompt; the rows carry that prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from storyrl.eval.pairs import _row_seed
+
+    out = tmp_path / "pairs.jsonl"
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 3, "--seed", 7, "--temperature", 1.5))
+    assert result.exit_code == 0, result.output
+    assert generate_calls == [3, 3, 3]  # one call per sequence, k stories each
+    header, *samples = sidecar(out)
+    assert header["options"]["k"] == 3 and header["options"]["seed"] == 7
+    rows = rl_prompts(policy_assets)
+    assert [r["prompt"] for r in rows] == [[{"role": "user", "content": P3.format(n=n)}]
+                                           for n in ("three", "four", "three")]
+    tokenizer = AutoTokenizer.from_pretrained(policy_assets["chat"])
+    model = AutoModelForCausalLM.from_pretrained(policy_assets["chat"]).eval()
+    for row, got in zip(rows, samples):
+        ids = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)
+        torch.manual_seed(_row_seed(7, row["story_id"]))
+        with torch.inference_mode():
+            new = model.generate(**ids, max_new_tokens=6, do_sample=True, temperature=1.5, top_p=1.0, top_k=0,
+                                 num_return_sequences=3, pad_token_id=tokenizer.pad_token_id)
+        want = [t.strip() for t in tokenizer.batch_decode(new[:, ids["input_ids"].shape[1]:], skip_special_tokens=True)]
+        assert got == {"story_id": row["story_id"], "samples": want}
+    assert len({s for entry in samples for s in entry["samples"]}) > 3  # sampling, not greedy
+    for row in lines(out):
+        assert row["prompt"] == next(r["prompt"] for r in rows if r["story_id"] == row["story_id"])
+
+
+def hand_pairs(assets, samples, min_margin=0.0):
+    """Best (first of the highest) vs each other sample, scored by hand."""
+    reward = create_reward("test_pairs_overlap")
+    want, dropped = [], {"unscorable_stories": 0, "records_with_fewer_than_2_scored_stories": 0,
+                         "tied_pairs": 0, "pairs_at_or_below_min_margin": 0}
+    for record, entry in zip(assets["records"], samples):
+        texts = entry["samples"]
+        human = record.get("reference", record["story"])
+        scores = [float(s) for s in reward.score(texts, reference=[human] * len(texts))]
+        best = max(range(len(texts)), key=lambda j: (scores[j], -j))
+        for j in range(len(texts)):
+            if j == best:
+                continue
+            margin = scores[best] - scores[j]
+            if margin == 0:
+                dropped["tied_pairs"] += 1
+            elif margin <= min_margin:
+                dropped["pairs_at_or_below_min_margin"] += 1
+            else:
+                want.append((record["story_id"], texts[best], texts[j], scores[best], scores[j], record["images"],
+                             f"sample {best + 1} > sample {j + 1}"))
+    return want, dropped
+
+
+@pytest.mark.parametrize("model", ["chat", "plain"])
+def test_policy_pairs_equal_a_hand_ranking(policy_assets, tmp_path, model):
+    out = tmp_path / "pairs.jsonl"
+    result = run(*policy_args(policy_assets, out, model, "-k", 4))
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    samples = sidecar(out)[1:]
+    assert [len(s["samples"]) for s in samples] == [4, 4, 4]
+    want, dropped = hand_pairs(policy_assets, samples)
+    assert len(want) >= 3  # the test below needs pairs to drop
+    rows = lines(out)
+    got = [(r["story_id"], r["chosen"], r["rejected"], r["images"], r["source"].split(": ", 1)[1]) for r in rows]
+    assert got == [(w[0], w[1], w[2], w[5], w[6]) for w in want]
+    assert [r["chosen_score"] for r in rows] == pytest.approx([w[3] for w in want])
+    assert [r["rejected_score"] for r in rows] == pytest.approx([w[4] for w in want])
+    assert [r["margin"] for r in rows] == pytest.approx([w[3] - w[4] for w in want])
+    assert all(r["source"].startswith(f"policy {policy_assets[model]}, test_pairs_overlap: ") for r in rows)
+    prompts = {r["story_id"]: r["prompt"] for r in rl_prompts(policy_assets, model)}
+    assert all(r["prompt"] == prompts[r["story_id"]] for r in rows)
+    if model == "plain":  # no chat template: the prompt is the text
+        assert all(isinstance(r["prompt"], str) for r in rows)
+    assert summary["pairs"] == len(want) and summary["dropped"] == dropped
+    assert summary["sequences"] == {"sampled": 3, "reused": 0} and summary["reward"] == "test_pairs_overlap"
+
+    # --min-margin between the kept margins drops the smaller ones (the same samples: seed 0)
+    margins = sorted(w[3] - w[4] for w in want)
+    cut = (margins[0] + margins[-1]) / 2
+    out2 = tmp_path / "pairs2.jsonl"
+    result = run(*policy_args(policy_assets, out2, model, "-k", 4, "--min-margin", cut))
+    assert result.exit_code == 0, result.output
+    assert sidecar(out2)[1:] == samples
+    want2, dropped2 = hand_pairs(policy_assets, samples, cut)
+    assert 0 < len(want2) < len(want) and dropped2["pairs_at_or_below_min_margin"] > 0
+    assert [(r["chosen"], r["rejected"]) for r in lines(out2)] == [(w[1], w[2]) for w in want2]
+    assert json.loads(result.stdout.strip().splitlines()[-1])["dropped"] == dropped2
+
+
+def test_policy_pairs_ties_nan_and_equal_best():
+    from storyrl.eval.pairs import policy_pairs
+
+    rows = [{"story_id": "a", "prompt": [{"role": "user", "content": "Tell."}], "reference": "h",
+             "story_images": ["1.jpg", "2.jpg"]},
+            {"story_id": "b", "prompt": "Tell b.", "reference": "h"}]
+    samples = {"a": ["a1", "a2", "a3", "a4"], "b": ["b1", "b2", "b3", "b4"]}
+    reward = FixedReward({"a1": 1.0, "a2": 3.0, "a3": 3.0, "a4": 2.5, "b1": 0.0, "b3": 0.0, "b4": 0.0})
+    got, dropped = policy_pairs(rows, samples, reward, source="policy P", min_margin=0.5)
+    # a: a2 and a3 tie for best -> a2 (earlier sample); a2~a3 tie; a4 within the margin; a1 kept.
+    # b: b2 unscorable; b1, b3, b4 all tie.
+    assert [(r["story_id"], r["chosen"], r["rejected"], r["margin"], r["prompt"], r["images"], r["source"])
+            for r in got] == [("a", "a2", "a1", 2.0, [{"role": "user", "content": "Tell."}], ["1.jpg", "2.jpg"],
+                               "policy P, fixed: sample 2 > sample 1")]
+    assert dict(dropped) == {"unscorable_stories": 1, "records_with_fewer_than_2_scored_stories": 0,
+                             "tied_pairs": 3, "pairs_at_or_below_min_margin": 1}
+
+
+def test_seed_temperature_top_p_and_k_change_the_samples(policy_assets, tmp_path):
+    from storyrl.datasets import load_records
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.policy import generate_stories
+
+    def samples(name, *extra):
+        out = tmp_path / f"{name}.jsonl"
+        result = run(*policy_args(policy_assets, out, "chat", *extra))
+        return result, sidecar(out)[1:]
+
+    _, base = samples("base", "-k", 3)
+    assert samples("again", "-k", 3)[1] == base  # the same command, the same stories
+    assert samples("seed", "-k", 3, "--seed", 1)[1] != base
+    _, two = samples("k2", "-k", 2)
+    assert [len(s["samples"]) for s in two] == [2, 2, 2]
+    # Near-zero temperature or top_p: every sample is the greedy story, all tie: no pair.
+    config = RLConfig.from_mapping({"model": policy_assets["chat"], "data": policy_assets["data"], "prompt": "P3",
+                                    "rewards": [{"reward": "repetition"}], "grpo": {"max_completion_length": 6},
+                                    "output_dir": str(tmp_path / "rl")})
+    greedy = generate_stories(config, policy_assets["chat"], load_records(policy_assets["data"]))
+    for extra in (["--temperature", 1e-4], ["--top-p", 1e-6]):
+        result, got = samples("greedy", "-k", 3, *extra)
+        assert [s["samples"] for s in got] == [[greedy[s["story_id"]]] * 3 for s in got]
+        assert result.exit_code == 1 and "no pair kept" in result.output and '"tied_pairs": 6' in result.output
+        assert not (tmp_path / "greedy.jsonl").exists()
+        (tmp_path / "greedy.samples.jsonl").unlink()
+
+
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(policy_assets, tmp_path, generate_calls):
+    full = tmp_path / "full.jsonl"
+    assert run(*policy_args(policy_assets, full, "chat", "-k", 3)).exit_code == 0
+    full_side = full.with_name("full.samples.jsonl").read_text()
+    header, first, second, _ = full_side.splitlines(keepends=True)
+    # Interrupted after s0, while writing s1 (a cut line).
+    out = tmp_path / "part.jsonl"
+    side = tmp_path / "part.samples.jsonl"
+    side.write_text(header + first + second[:10])
+    generate_calls.clear()
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 3, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert len(generate_calls) == 2  # s0 reused, s1 and s2 sampled
+    assert json.loads(result.stdout.strip().splitlines()[-1])["sequences"] == {"sampled": 2, "reused": 1}
+    assert out.read_text() == full.read_text() and side.read_text() == full_side
+
+    # Everything sampled: --resume samples nothing and re-ranks (here with a margin).
+    generate_calls.clear()
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 3, "--resume", "--min-margin", 1e-9))
+    assert result.exit_code == 0, result.output and generate_calls == []
+    assert json.loads(result.stdout.strip().splitlines()[-1])["sequences"] == {"sampled": 0, "reused": 3}
+
+    # Other sampling options: a one-line refusal, nothing touched.
+    before = side.read_text(), out.read_text()
+    for extra, named in ((["--seed", 1], "seed"), (["-k", 2], "k"), (["--temperature", 0.5], "temperature")):
+        result = run(*policy_args(policy_assets, out, "chat", "-k", 3, *extra, "--resume"))
+        assert result.exit_code == 2, result.output
+        error = [line for line in result.output.splitlines() if line.startswith("Error")]
+        assert len(error) == 1 and "other options" in error[0] and named in error[0], result.output
+    assert (side.read_text(), out.read_text()) == before and generate_calls == []
+
+
+def test_existing_and_locked_outputs(policy_assets, tmp_path, generate_calls):
+    from storyrl.output_files import LockedOutput
+
+    out = tmp_path / "p.jsonl"
+    out.write_text("keep me\n")
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 2))
+    assert result.exit_code != 0 and "exists" in result.output and "--overwrite" in result.output
+    assert out.read_text() == "keep me\n" and generate_calls == []
+    out.unlink()
+    side = tmp_path / "p.samples.jsonl"
+    side.write_text("old samples\n")
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 2))
+    assert result.exit_code != 0 and "p.samples.jsonl exists" in result.output and not out.exists()
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 2, "--resume"))  # not a samples file
+    assert result.exit_code == 2 and "not a storyrl pairs samples file" in result.output
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 2, "--overwrite"))
+    assert result.exit_code == 0, result.output
+    assert len(sidecar(out)) == 4 and generate_calls == [2, 2, 2]
+    # A second writer fails at once, before sampling.
+    generate_calls.clear()
+    for held in (out, side):
+        with LockedOutput(held, existing="keep"):
+            result = run(*policy_args(policy_assets, out, "chat", "-k", 2, "--overwrite"))
+        assert result.exit_code != 0 and "in use by another process" in result.output, result.output
+    assert generate_calls == []
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--policy", "{chat}", "-m", "test_pairs_overlap"], "needs --data"),
+    (["--policy", "{chat}", "{a}", "{b}", "--data", "{data}", "-m", "test_pairs_overlap"], "exactly one source"),
+    (["--policy", "{chat}", "--data", "{data}"], "exactly one reward"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap,length"], "exactly one reward"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "-k", "1"], "-k"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--temperature", "0"], "--temperature"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--top-p", "1.5"], "--top-p"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--prompt", "Tell."], "--prompt-name"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--resume", "--overwrite"], "give one"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--prompt-name", "P9"], "P9"),
+    (["--policy", "{chat}", "--data", "{data}", "-m", "test_pairs_overlap", "--setting", "visual"], "setting visual"),
+    (["{a}", "{b}", "-m", "repetition", "--seed", "1"], "--seed is a --policy option"),
+    (["{a}", "{b}", "-m", "repetition", "--resume"], "--resume is a --policy option"),
+])
+def test_bad_policy_options_are_one_line_errors(policy_assets, tmp_path, story_sets, extra, message):
+    a, b, _ = story_sets
+    args = [x.format(a=a, b=b, chat=policy_assets["chat"], data=policy_assets["data"]) for x in extra]
+    out = tmp_path / "p.jsonl"
+    result = run("pairs", *args, "-o", out)
+    assert result.exit_code in (1, 2), result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(error) == 1 and message in error[0], result.output
+    assert not out.exists() and not (tmp_path / "p.samples.jsonl").exists()
+
+
+def test_missing_policy_and_duplicate_sequences_are_one_line_errors(policy_assets, tmp_path):
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args({**policy_assets, "chat": str(tmp_path / "nowhere")}, out))
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, result.output
+    assert "nowhere" in result.output
+    twice = write_jsonl(tmp_path / "twice.jsonl", [policy_assets["records"][0]] * 2)
+    result = run(*policy_args({**policy_assets, "data": str(twice)}, out))
+    assert result.exit_code == 1 and "duplicate story id" in result.output, result.output  # the loader's check
+    assert not out.exists() and not (tmp_path / "p.samples.jsonl").exists()
+
+
+def test_vhed_image_ids_resolve_with_image_root(tmp_path):
+    vhed = write_vhed(tmp_path / "VHED.csv")
+    root = tmp_path / "imgs"
+    root.mkdir()
+    for name in ("1", "2", "3", "4", "5"):
+        (root / f"{name}.jpg").write_bytes(b"x")
+    out = tmp_path / "p.jsonl"
+    result = run("pairs", "--vhed", vhed, "--image-root", root, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert [r["images"] for r in lines(out)] == [[str(root / f"{n}.jpg") for n in "123"],
+                                                 [str(root / f"{n}.jpg") for n in "45"]]
+    (root / "5.jpg").unlink()
+    result = run("pairs", "--vhed", vhed, "--image-root", root, "-o", out, "--overwrite")
+    assert result.exit_code == 1 and "5" in result.output and len(result.output.strip().splitlines()) == 1

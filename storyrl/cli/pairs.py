@@ -233,12 +233,14 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
 
     try:
         records = load_data(config)
-        seen = set()
-        for record in records:
-            if record.story_id in seen:
-                raise ValueError(f"{opts['data']}: story id {record.story_id!r} appears twice; each sequence "
-                                 "needs its own id")
-            seen.add(record.story_id)
+    except (TypeError, ValueError) as exc:
+        _fail(f"--data: {' '.join(str(exc).split())}")
+    seen = set()
+    for record in records:  # samples are keyed by story id (the sidecar, --resume)
+        if record.story_id in seen:
+            _fail(f"--data {opts['data']}: story id {record.story_id!r} appears twice; each sequence needs its own id")
+        seen.add(record.story_id)
+    try:
         loaded = _load_trained(config, policy, kind)
         rows = prompt_rows(config, records, kind, loaded.processing_class)
     except (TypeError, ValueError) as exc:
