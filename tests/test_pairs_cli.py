@@ -546,3 +546,36 @@ def test_vhed_image_ids_resolve_with_image_root(tmp_path):
     (root / "5.jpg").unlink()
     result = run("pairs", "--vhed", vhed, "--image-root", root, "-o", out, "--overwrite")
     assert result.exit_code == 1 and "5" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_vlm_policy_rows_carry_the_conversation_and_the_image_paths(policy_assets, tmp_path, generate_calls,
+                                                                    monkeypatch):
+    """A VLM is sampled with the sequence image (RL's visual setting): the
+    rows' prompt is RL's conversation, ``images`` the sequence's paths."""
+    from tiny_models import TAPM_TEXTS, save_tiny_chat_vlm
+    from transformers.generation.utils import GenerationMixin
+
+    vlm = save_tiny_chat_vlm(tmp_path / "vlm", [*TAPM_TEXTS, *HUMAN, P3.format(n="three"), P3.format(n="four")])
+    seen = []
+    counted = GenerationMixin.generate
+
+    def with_pixels(self, *args, **kwargs):
+        seen.append(tuple(kwargs["pixel_values"].shape[:1]) if "pixel_values" in kwargs else None)
+        return counted(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", with_pixels)
+    out = tmp_path / "p.jsonl"
+    result = run("pairs", "--policy", vlm, "--data", policy_assets["data"], "-m", "test_pairs_overlap",
+                 "--max-new-tokens", 4, "-k", 3, "-o", out)
+    assert result.exit_code == 0, result.output
+    assert seen == [(1,), (1,), (1,)] and generate_calls == [3, 3, 3]  # one sequence image per prompt
+    samples = sidecar(out)[1:]
+    assert [len(s["samples"]) for s in samples] == [3, 3, 3]
+    rows = lines(out)
+    assert rows
+    for row in rows:
+        record = next(r for r in policy_assets["records"] if r["story_id"] == row["story_id"])
+        n = {3: "three", 4: "four"}[len(record["images"])]
+        assert row["prompt"] == [{"role": "user", "content": [{"type": "image"},
+                                                              {"type": "text", "text": P3.format(n=n)}]}]
+        assert row["images"] == record["images"]
