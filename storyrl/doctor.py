@@ -59,6 +59,7 @@ _PATH_HINTS = {
     ("rovist_vg", "glove"): GLOVE_URL,
     ("vrank", "model"): "storyrl train vrank --config configs/training/vrank.yaml",
     ("cosmic", "model"): "storyrl train cosmic --config configs/training/cosmic.yaml",
+    ("reward_model", "model"): "storyrl train reward_model --config configs/training/reward_model.yaml",
     ("dhm", "human_scores"): "storyrl score HUMAN_STORIES -m groovist,coherence,repetition -o human_scores.csv",
 }
 _OPTION_HINTS = {
@@ -76,6 +77,7 @@ _LABELS = {
     ("rovist_vg", "glove"): "GloVe vectors (rovist_vg glove)",
     ("vrank", "model"): "Vrank model (vrank model)",
     ("cosmic", "model"): "COSMiC model (cosmic model)",
+    ("reward_model", "model"): "story reward model (reward_model model)",
 }
 # Options a reward cannot run without even though their default is null: the
 # reward refuses to set up (see each reward's _loaded / _setup).

@@ -1,7 +1,9 @@
-"""Training: the learned metrics' models and TAPM-style storytellers today,
-RL fine-tuning of story generators next (:mod:`storyrl.training.rl`).
+"""Training: the learned metrics' models, TAPM-style storytellers, and the
+storyteller's path through TRL: supervised fine-tuning (:mod:`~storyrl.training.sft`),
+RL (:mod:`storyrl.training.rl`), a learned story reward model
+(:mod:`~storyrl.training.reward_model`) and DPO (:mod:`~storyrl.training.dpo`).
 
-Every trainer is a :class:`Trainer` -- a :class:`~storyrl.training.config.TrainConfig`
+Every trainer is a :class:`Trainer` -- a :class:`storyrl.config.Config`
 subclass and a ``train(config, resume=False, progress=True)`` function --
 registered in :data:`TRAINERS`; ``storyrl train <name>`` is generated from
 it (its options are the config's fields).
@@ -68,7 +70,7 @@ TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
 TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
              "RL fine-tuning of a storyteller (causal LM, VLM or TAPM) against storyrl rewards: ppo, grpo or rloo.")
 TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
-             "Supervised fine-tuning of a causal-LM storyteller on human stories (TRL SFTTrainer), RL's prompt.")
+             "Supervised fine-tuning of a storyteller (causal LM or VLM) on human stories (TRL SFTTrainer), RL's prompt.")
 TRAINERS.add("dpo", "storyrl.training.dpo:TRAINER",
              "DPO of a storyteller (causal LM or VLM) on story preference pairs (TRL DPOTrainer) with RL's monitors.")
 TRAINERS.add("reward_model", "storyrl.training.reward_model:TRAINER",
