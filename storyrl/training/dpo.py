@@ -88,20 +88,13 @@ class DPORunConfig(StorytellerConfig):
     sample_max_new_tokens: int = option(128, "Token limit of a monitoring story.", min=1)
 
     def _problems(self) -> list[str]:
-        from storyrl.training.rl.config import _reward
+        from storyrl.training.rl.config import reward_problems
         from storyrl.training.rl.ppo.config import TRACKERS
 
         problems = []
         if not Path(self.pairs).is_file():
             problems.append(f"pairs: no such file {self.pairs}")
-        names = []
-        for i, entry in enumerate(self.rewards):
-            try:
-                names.append(_reward(entry).__name__)
-            except (TypeError, ValueError) as exc:
-                problems.append(f"rewards[{i}]: {' '.join(str(exc).split())}")
-        problems += [f"rewards: two rewards named {n!r} (history keys are per name); give one a different setting"
-                     for n in sorted({n for n in names if names.count(n) > 1})]
+        problems += reward_problems(self.rewards, "history keys are per name")
         if self.rewards and self.sample_steps is None:
             problems.append("rewards: they score the monitoring samples; set sample_steps (every N steps)")
         trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
@@ -115,9 +108,9 @@ class DPORunConfig(StorytellerConfig):
         return super()._problems() + problems
 
     def build_rewards(self) -> list[Any]:
-        from storyrl.training.rl.config import _reward
+        from storyrl.rewards import build_reward
 
-        return [_reward(entry) for entry in self.rewards]
+        return [build_reward(entry) for entry in self.rewards]
 
 
 def _kind_refusal(model: str, kind: str) -> str:
@@ -321,12 +314,10 @@ def _monitored(trainer_class: type) -> type:
 def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list | None = None):
     """TRL's DPOTrainer of ``config`` (policy, reference, pairs, LoRA,
     monitoring), not yet trained."""
-    from transformers import PrinterCallback, ProgressCallback
     from trl import DPOTrainer
 
-    from storyrl.console import verbose
     from storyrl.training.rl.policy import load_policy, lora_config
-    from storyrl.training.rl.trl_trainers import HistoryCallback, QuietProgressCallback
+    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
 
     kind = config.policy_kind()
     if kind not in ("causal_lm", "vlm"):
@@ -343,39 +334,19 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
         model=policy.model, ref_model=reference, args=_dpo_args(config, progress), train_dataset=dataset,
         processing_class=policy.processing_class, peft_config=peft, sample_monitor=monitor,
         callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
-    # stdout holds the command's JSON line only: RL's progress handling.
-    if not progress:
-        trainer.remove_callback(PrinterCallback)
-    elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
-        trainer.add_callback(QuietProgressCallback())
+    quiet_progress(trainer, progress)
     return trainer
 
 
 @guarded
 def train(config: DPORunConfig, resume: bool = False, progress: bool = True) -> DPOResult:
     """Train, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    import logging
+    from storyrl.training.rl.trl_trainers import resume_checkpoint, save_final
 
-    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
-
-    checkpoint = latest_complete_checkpoint(config.output_dir) if resume else None
-    if resume and checkpoint is None:
-        logging.getLogger(__name__).warning("resume: no complete checkpoint-<step>/ in %s; starting from the "
-                                            "beginning", config.output_dir)
+    checkpoint = resume_checkpoint(config.output_dir, resume)
     trainer = build_trainer(config, progress)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-    final = Path(config.output_dir) / "final"
-    if config.lora.enabled and config.lora.merge:
-        model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        if trainer.is_world_process_zero():
-            model.save_pretrained(final)
-    else:
-        trainer.save_model(str(final))
-    if trainer.is_world_process_zero():
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        tokenizer.padding_side = "left"  # what generation (and RL) wants
-        trainer.processing_class.save_pretrained(final)
-        config.to_yaml(final / "dpo_config.yaml")
+    save_final(config, trainer, Path(config.output_dir) / "final", config_file="dpo_config.yaml")
     return DPOResult(output_dir=config.output_dir, steps=trainer.state.global_step,
                      history=list(trainer.state.log_history))
 

@@ -213,7 +213,7 @@ def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks
     """(TRL's RewardTrainer, held-out rows, prompt or None), not yet trained."""
     from trl import RewardTrainer
 
-    from storyrl.training.rl.trl_trainers import HistoryCallback
+    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
 
     rows = read_pairs(config.pairs)
     prompt = shared_prompt(rows, config.pairs) if config.include_prompt else None
@@ -223,16 +223,7 @@ def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks
                             train_dataset=_dataset(train_rows, tokenizer, prompt, config.max_length),
                             processing_class=tokenizer, peft_config=_lora(config),
                             callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
-    from transformers import PrinterCallback, ProgressCallback
-
-    from storyrl.console import verbose
-    from storyrl.training.rl.trl_trainers import QuietProgressCallback
-
-    # stdout holds the command's JSON line only: RL's progress handling.
-    if not progress:
-        trainer.remove_callback(PrinterCallback)
-    elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
-        trainer.add_callback(QuietProgressCallback())
+    quiet_progress(trainer, progress)
     return trainer, held, prompt
 
 
@@ -257,15 +248,10 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: list[dict], prompt: str | No
 @guarded
 def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = True) -> RewardModelResult:
     """Train, then save the model, its tokenizer and how to score in ``OUTPUT_DIR/final``."""
-    import logging
-
     from storyrl.rewards.reward_model import METADATA_FILE
-    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
+    from storyrl.training.rl.trl_trainers import resume_checkpoint
 
-    checkpoint = latest_complete_checkpoint(config.output_dir) if resume else None
-    if resume and checkpoint is None:
-        logging.getLogger(__name__).warning("resume: no complete checkpoint-<step>/ in %s; starting from the "
-                                            "beginning", config.output_dir)
+    checkpoint = resume_checkpoint(config.output_dir, resume)
     trainer, held, prompt = build_trainer(config, progress)
     main = trainer.is_world_process_zero()
     output = Path(config.output_dir)

@@ -125,7 +125,7 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
     from trl import SFTTrainer
 
     from storyrl.training.rl.policy import load_policy, lora_config
-    from storyrl.training.rl.trl_trainers import HistoryCallback
+    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
 
     kind = config.policy_kind()
     if kind == "tapm":
@@ -145,44 +145,19 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
     if kept < total:
         logging.getLogger(__name__).warning("max_length %d: %d of %d stories do not fit after their prompt; they are "
                                             "left out", config.max_length, total - kept, total)
-    from transformers import PrinterCallback, ProgressCallback
-
-    from storyrl.console import verbose
-    from storyrl.training.rl.trl_trainers import QuietProgressCallback
-
-    # stdout holds the command's JSON line only: RL's progress handling.
-    if not progress:
-        trainer.remove_callback(PrinterCallback)
-    elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
-        trainer.add_callback(QuietProgressCallback())
+    quiet_progress(trainer, progress)
     return trainer
 
 
 @guarded
 def train(config: SFTRunConfig, resume: bool = False, progress: bool = True) -> SFTResult:
     """Fine-tune, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    import logging
+    from storyrl.training.rl.trl_trainers import resume_checkpoint, save_final
 
-    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
-
-    checkpoint = latest_complete_checkpoint(config.output_dir) if resume else None
-    if resume and checkpoint is None:
-        logging.getLogger(__name__).warning("resume: no complete checkpoint-<step>/ in %s; starting from the "
-                                            "beginning", config.output_dir)
+    checkpoint = resume_checkpoint(config.output_dir, resume)
     trainer = build_trainer(config, progress)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-    final = Path(config.output_dir) / "final"
-    if config.lora.enabled and config.lora.merge:
-        model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        if trainer.is_world_process_zero():
-            model.save_pretrained(final)
-    else:
-        trainer.save_model(str(final))
-    if trainer.is_world_process_zero():
-        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        tokenizer.padding_side = "left"  # what generation (and RL) wants
-        trainer.processing_class.save_pretrained(final)
-        config.to_yaml(final / "sft_config.yaml")
+    save_final(config, trainer, Path(config.output_dir) / "final", config_file="sft_config.yaml")
     return SFTResult(output_dir=config.output_dir, steps=trainer.state.global_step,
                      history=list(trainer.state.log_history))
 

@@ -37,7 +37,8 @@ from storyrl.config import Config, check_type, option
 from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
 from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
-__all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig"]
+__all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig",
+           "reward_problems"]
 
 #: Run-level keys set at the top level and copied into the algorithm's config.
 FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
@@ -184,14 +185,7 @@ class RLConfig(StorytellerConfig):
         problems = []
         if not self.rewards:
             problems.append("rewards: give at least one reward")
-        names = []
-        for i, entry in enumerate(self.rewards):
-            try:
-                names.append(_reward(entry).__name__)
-            except (TypeError, ValueError) as exc:
-                problems.append(f"rewards[{i}]: {' '.join(str(exc).split())}")
-        problems += [f"rewards: two rewards named {n!r} (TRL logs rewards by name); give one a different setting"
-                     for n in sorted({n for n in names if names.count(n) > 1})]
+        problems += reward_problems(self.rewards, "TRL logs rewards by name")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
             problems.append(f"reward_weights: {len(self.reward_weights)} weights for {len(self.rewards)} rewards")
         if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
@@ -280,6 +274,20 @@ def _infos(cls: type):
     from storyrl.config import option_info
 
     return option_info(cls)
+
+
+def reward_problems(entries: list, why_unique: str) -> list[str]:
+    """One message per reward entry that cannot be built, and per name two
+    entries share (``why_unique``: why names must differ)."""
+    problems, names = [], []
+    for i, entry in enumerate(entries):
+        try:
+            names.append(_reward(entry).__name__)
+        except (TypeError, ValueError) as exc:
+            problems.append(f"rewards[{i}]: {' '.join(str(exc).split())}")
+    problems += [f"rewards: two rewards named {n!r} ({why_unique}); give one a different setting"
+                 for n in sorted({n for n in names if names.count(n) > 1})]
+    return problems
 
 
 def _reward(entry: str | Mapping[str, Any]) -> Any:

@@ -43,7 +43,8 @@ from storyrl.console import verbose
 from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
 
 __all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
-           "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "train_trl"]
+           "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "quiet_progress", "resume_checkpoint",
+           "save_final", "train_trl"]
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +234,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     if not progress:
         args.disable_tqdm = True
     output_dir = Path(config.output_dir)
-    checkpoint = None
-    if resume:
-        checkpoint = latest_complete_checkpoint(output_dir)
-        if checkpoint is None:
-            logger.warning("resume: no complete checkpoint-<step>/ in %s; starting from the beginning", output_dir)
+    checkpoint = resume_checkpoint(output_dir, resume)
     weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(rewards)
     is_main = args.process_index == 0
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
@@ -258,18 +255,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
         peft_config=lora_config(config, policy.kind),
         callbacks=[HistoryCallback(output_dir), scorable, *(callbacks or [])],
     )
-    if not progress:
-        from transformers import PrinterCallback
-
-        trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
-    elif not verbose():
-        from transformers import PrinterCallback, ProgressCallback
-
-        # Printer: what transformers uses when its logging level (error without
-        # --verbose) made TrainingArguments default to disable_tqdm. A notebook's
-        # widget is neither and stays.
-        if any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
-            trainer.add_callback(QuietProgressCallback())
+    quiet_progress(trainer, progress)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     if scorable.failure is not None:
         raise RunFailedError(scorable.failure)
@@ -413,16 +399,44 @@ def load_full_weights(model, checkpoint: Path) -> bool:
     return True
 
 
-def save_final(config, trainer, final: Path) -> None:
+def save_final(config, trainer, final: Path, config_file: str = "rl_config.yaml") -> None:
     """The trained policy in ``final``: adapters (or merged weights with
-    ``lora.merge``) or full weights, with the tokenizer/processor and the
-    run's rl_config.yaml."""
+    ``lora.merge``) or full weights, with the tokenizer/processor (left
+    padding: what generation and RL want) and the run's config as
+    ``config_file``."""
     if config.lora.enabled and config.lora.merge:
         model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
         if trainer.is_world_process_zero():
             model.save_pretrained(final)
-            trainer.processing_class.save_pretrained(final)
     else:
-        trainer.save_model(str(final))  # the processing class too
+        trainer.save_model(str(final))
     if trainer.is_world_process_zero():
-        config.to_yaml(final / "rl_config.yaml")
+        tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        tokenizer.padding_side = "left"  # SFT and DPO train right-padded
+        trainer.processing_class.save_pretrained(final)
+        config.to_yaml(final / config_file)
+
+
+def resume_checkpoint(output_dir: str | Path, resume: bool) -> Path | None:
+    """The checkpoint a run continues from: with ``resume`` the latest
+    complete one (a warning when there is none: the run starts over)."""
+    if not resume:
+        return None
+    checkpoint = latest_complete_checkpoint(output_dir)
+    if checkpoint is None:
+        logger.warning("resume: no complete checkpoint-<step>/ in %s; starting from the beginning", output_dir)
+    return checkpoint
+
+
+def quiet_progress(trainer, progress: bool) -> None:
+    """stdout holds the command's JSON line only: without ``progress`` no
+    per-log printing; without ``--verbose`` transformers' printer/progress
+    bar becomes one quiet bar. Printer: what transformers uses when its
+    logging level (error without --verbose) made TrainingArguments default
+    to disable_tqdm. A notebook's widget is neither and stays."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    if not progress:
+        trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
+    elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
+        trainer.add_callback(QuietProgressCallback())
