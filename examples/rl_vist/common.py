@@ -98,3 +98,20 @@ def story_nouns(story: str, ratings: Mapping[str, float], min_rating: float = MI
             if len(out) == limit:
                 return out
     return out
+
+
+#: What the policy tokenizer's decoder (WordPiece, ``cleanup=True``) glues to the word before it.
+_GLUED = re.compile(r"(?<=\S)([.,?!]|n't|'m|'s|'ve|'re)(?=\s|$|[.,?!])")
+
+
+def vist_spacing(story: str) -> str:
+    """``story`` as decoded by the policy's tokenizer, spaced back as VIST
+    text is (``"seats. it's"`` -> ``"seats . it 's"``). The decoder joins
+    ``" ."``, ``" n't"``, ... to the word before; the word-level tokenizer
+    splits on whitespace only, so without this the text of a sampled story
+    (``storyrl pairs`` writes text) would come back as ``[UNK]`` for every
+    word that ends a sentence or clause."""
+    previous = None
+    while previous != story:  # "end.." needs two passes
+        previous, story = story, _GLUED.sub(r" \1", story)
+    return story
