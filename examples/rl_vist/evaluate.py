@@ -231,9 +231,14 @@ TRAIN_KEYS = {"reward": ["reward"], "entropy": ["entropy", "policy/entropy"], "k
 
 
 def training_figures(history_path: Path, window: int = 10) -> dict | None:
+    """First / last ``window`` logged values of each of ``TRAIN_KEYS``; a DPO
+    run (no sampled reward: its rows log ``loss``) is read by
+    :func:`dpo_figures`."""
     if not history_path.is_file():
         return None
     rows = [json.loads(line) for line in history_path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not any(isinstance(r.get("reward"), (int, float)) for r in rows) and any("loss" in r for r in rows):
+        return dpo_figures(rows, window)
     rows = [r for r in rows if isinstance(r.get("reward"), (int, float))]
     if not rows:
         return None
@@ -245,6 +250,31 @@ def training_figures(history_path: Path, window: int = 10) -> dict | None:
             out[f"{name}_first"] = sum(series[:window]) / len(series[:window])
             out[f"{name}_last"] = sum(series[-window:]) / len(series[-window:])
     out["curve"] = [float(r["reward"]) if r["reward"] is not None else math.nan for r in rows]
+    return out
+
+
+def dpo_figures(rows: Sequence[dict], window: int = 10) -> dict | None:
+    """A DPO run's figures: DPO samples nothing to train on, so its reward,
+    distinct-2 and sentences are the monitoring stories' (every
+    ``sample_steps``: ``rewards/<name>/mean``, ``story/...``), averaged over
+    the first / last quarter of those logs (at most ``window``); no KL is
+    logged, and TRL's ``entropy`` is over the pairs' tokens, not the policy's
+    own stories, so it is left out. ``curve_steps``: the steps of ``curve``."""
+    steps = [r for r in rows if "loss" in r and isinstance(r.get("step"), int)]
+    monitored = [r for r in rows if isinstance(r.get("step"), int)
+                 and any(k.startswith("rewards/") and k.endswith("/mean") for k in r)]
+    if not steps or not monitored:
+        return None
+    reward_key = next(k for k in monitored[0] if k.startswith("rewards/") and k.endswith("/mean"))
+    k = min(window, max(1, len(monitored) // 4))
+    out: dict = {"steps": max(r["step"] for r in steps), "monitor": reward_key}
+    for name, key in (("reward", reward_key), ("distinct_2", "story/distinct_2"), ("sentences", "story/sentences_mean")):
+        series = [r[key] for r in monitored if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if series:
+            out[f"{name}_first"] = sum(series[:k]) / len(series[:k])
+            out[f"{name}_last"] = sum(series[-k:]) / len(series[-k:])
+    out["curve"] = [float(r[reward_key]) for r in monitored]
+    out["curve_steps"] = [r["step"] for r in monitored]
     return out
 
 
@@ -304,6 +334,10 @@ def markdown(results: dict) -> str:
 
             lines.append(f"| {name} | {t['steps']} | {pair('reward')} | {pair('entropy', 2)} | {pair('kl')} | "
                          f"{pair('distinct_2')} | {pair('sentences', 2)} | {_f(r.get('seconds'), 0)} |")
+    if any(r["training"].get("curve_steps") for r in trained.values()):
+        lines += ["", ("DPO rows: no sampled training reward or KL; reward, distinct-2 and sentences are those of the "
+                       "monitoring stories (sample_prompts sequences of the train data, every sample_steps steps; "
+                       "first / last quarter of those logs).")]
     if results.get("times"):
         lines += ["", "Wall time of each step (s): " + ", ".join(f"{k} {v:.0f}" for k, v in results["times"].items())]
     return "\n".join(lines) + "\n"
@@ -331,7 +365,10 @@ def plot(results: dict, path: Path) -> None:
     ax = axes[1]
     for n in names:
         t = pol[n].get("training")
-        if t and t.get("curve"):
+        if t and t.get("curve_steps"):  # DPO: the monitoring stories' reward, a few points
+            curve = np.array(t["curve"], dtype=float)
+            ax.plot(t["curve_steps"], curve - curve[0], marker="o", ls=":", label=f"{n} (monitor)")
+        elif t and t.get("curve"):
             curve = np.array(t["curve"], dtype=float)
             k = min(10, len(curve))
             smooth = np.convolve(np.nan_to_num(curve, nan=np.nanmean(curve)), np.ones(k) / k, mode="valid")
