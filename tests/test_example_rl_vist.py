@@ -159,3 +159,94 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     assert "| human (held-out) |" in table and "| moved |" in table
     assert (out / "results.png").stat().st_size > 1000
     assert json.loads((out / "results.json").read_text())["start"] == "start"
+
+
+def test_vist_spacing_inverts_the_decoder():
+    from tokenizers import decoders
+
+    # VIST-tokenized words as the policy samples them; its decoder glues punctuation and clitics on.
+    words = ["we", "did", "n't", "go", ".", "it", "'s", "my", "mom", "'s", "car", ",", "i", "'m", "sure", "!",
+             "they", "'ve", "left", "?", "we", "'re", "here", ".", "."]
+    decoded = decoders.WordPiece(cleanup=True).decode(words)
+    assert decoded == "we didn't go. it's my mom's car, i'm sure! they've left? we're here.."
+    assert common.vist_spacing(decoded) == " ".join(words)
+    assert common.vist_spacing("the dog ran .") == "the dog ran ."  # already spaced: unchanged
+    assert common.vist_spacing("mr. smith's") == "mr . smith 's"
+    assert common.vist_spacing("'s fine") == "'s fine"  # nothing before it to split from
+
+
+def test_space_pairs(tmp_path):
+    import csv
+
+    import space_pairs
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"story_id": i, "story": s}) + "\n"
+                            for i, s in (("7", "the dog ran ."), ("8", "a cat sat ."))))
+    pairs = tmp_path / "pairs.jsonl"
+    prompt = [{"role": "user", "content": "tell. a story"}]
+    rows = [{"prompt": prompt, "chosen": "we ran. it's fun.", "rejected": "no, we sat.", "story_id": "7",
+             "chosen_score": -0.1, "rejected_score": -0.3, "margin": 0.2},
+            {"prompt": prompt, "chosen": "a cat.", "rejected": "we sat.", "story_id": "8",
+             "chosen_score": -0.2, "rejected_score": -0.25, "margin": 0.05}]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, scores = tmp_path / "spaced.jsonl", tmp_path / "scores.csv"
+    assert space_pairs.space_pairs(pairs, out, data, scores) == 2
+    got = _read(out)
+    assert [(g["chosen"], g["rejected"]) for g in got] == [("we ran . it 's fun .", "no , we sat ."),
+                                                          ("a cat .", "we sat .")]
+    assert got[0]["prompt"] == prompt and got[0]["margin"] == 0.2  # everything else kept, the prompt unspaced
+    assert [g["reference"] for g in got] == ["the dog ran .", "a cat sat ."]
+    table = {r["story_id"]: (float(r["labels"]), int(r["shorter"])) for r in csv.DictReader(scores.open())}
+    assert table[got[0]["better_id"]] == (-0.1, -7) and table[got[0]["worse_id"]] == (-0.3, -5)  # spaced tokens
+    assert table[got[1]["worse_id"]] == (-0.25, -3) and got[1]["better_id"].startswith("8:")
+    assert len(table) == 4
+    # Without --data and --scores: only the spacing.
+    space_pairs.space_pairs(pairs, out)
+    assert "reference" not in _read(out)[0] and "better_id" not in _read(out)[0]
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"story_id": "9", "story": "x ."}) + "\n")
+    with pytest.raises(SystemExit, match="story_id '7' is not in"):
+        space_pairs.space_pairs(pairs, out, other)
+
+
+def test_dpo_training_figures(tmp_path):
+    from evaluate import training_figures
+
+    # A DPO history: a loss every step, the monitoring stories' rewards every 2 steps (8 logs, quarter = 2).
+    history = tmp_path / "history.jsonl"
+    lines = []
+    for step in range(1, 17):
+        row = {"step": step, "loss": 0.69 - 0.01 * step, "entropy": 4.0, "rewards/chosen": 0.1}
+        if step % 2 == 0:
+            row.update({"rewards/dhm/mean": -0.1 + 0.001 * step, "story/distinct_2": 0.5,
+                        "story/sentences_mean": 5.0 + 0.1 * step})
+        lines.append(json.dumps(row) + "\n")
+    history.write_text("".join(lines))
+    t = training_figures(history)
+    assert t["steps"] == 16 and t["monitor"] == "rewards/dhm/mean"
+    assert t["reward_first"] == pytest.approx(-0.097) and t["reward_last"] == pytest.approx(-0.085)  # steps 2,4 / 14,16
+    assert t["sentences_first"] == pytest.approx(5.3) and t["sentences_last"] == pytest.approx(6.5)
+    assert "entropy_first" not in t and "kl_first" not in t
+    assert t["curve_steps"] == [2, 4, 6, 8, 10, 12, 14, 16] and t["curve"][0] == pytest.approx(-0.098)
+
+
+def test_example_configs_load(tmp_path):
+    from transformers import LlamaConfig
+
+    from storyrl.training.dpo import DPORunConfig
+    from storyrl.training.reward_model import RewardModelRunConfig
+
+    model = tmp_path / "policy"
+    LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(model)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("{}\n")
+    paths = {"pairs": str(pairs), "model": str(model)}
+    dpo = DPORunConfig.from_yaml(EXAMPLE / "dpo_dhm.yaml", output_dir=str(tmp_path / "dpo"), **paths)
+    assert (dpo.prompts, dpo.max_steps, dpo.batch_size, dpo.lora.enabled) == ("pairs", 80, 16, False)
+    assert dpo.rewards == ["examples/rl_vist/dhm.yaml"] and dpo.sample_steps == 10
+    rm = RewardModelRunConfig.from_yaml(EXAMPLE / "reward_model_dhm.yaml", output_dir=str(tmp_path / "rm"), **paths)
+    assert rm.include_prompt is False and rm.lora.enabled is False
+    with pytest.raises(ValueError, match="dpo_dhm.yaml: .*pairs: no such file"):
+        DPORunConfig.from_yaml(EXAMPLE / "dpo_dhm.yaml", output_dir=str(tmp_path / "dpo"), model=str(model),
+                               pairs=str(tmp_path / "missing.jsonl"))
