@@ -156,6 +156,18 @@ class Reward(Configurable):
             raise RewardError(f"reward {self.name!r}: cannot load: {one_line(exc)}") from exc
         return self
 
+    def prepare(self, context: Mapping[str, Any], progress: bool = False) -> dict[str, int]:
+        """Do now, once, the work of scoring that depends only on the stories'
+        context, not on their text: the image side of a dataset (region or
+        image embeddings into the reward's caches, its disk cache when it has
+        one), so that a training step only does text work. ``context`` holds
+        per-row columns as :meth:`score` takes them (``images`` or
+        ``story_images``, ``image_ids``, ``reference``, ``story_id``), one
+        entry per dataset row. Resumable where the cache is on disk: what is
+        cached already is skipped. Returns counts of what was done (empty
+        here: nothing to prepare)."""
+        return {}
+
     def reset_failure_streak(self) -> None:
         """Start afresh the count of stories whose scoring raised in a row
         (``MAX_ERRORS_IN_A_ROW``), this reward's and its components': for a
@@ -277,6 +289,28 @@ class Reward(Configurable):
                 f"{type(errors[-1]).__name__}: {one_line(errors[-1])}"
             ) from errors[-1]
         return np.asarray(scores)
+
+
+def prepare_rewards(rewards: Iterable[Any], context: Mapping[str, Any], progress: bool = False) -> dict[str, dict]:
+    """:meth:`Reward.prepare` of every reward that has it (other reward
+    functions are skipped), with the rows of ``context``; returns each
+    reward's counts by name. A reward whose models cannot load raises
+    RewardError."""
+    context = {k: v for k, v in context.items() if v is not None}
+    n = {len(v) for v in context.values() if isinstance(v, (list, tuple))}
+    if len(n) > 1:
+        raise ValueError(f"prepare: context columns of different lengths {sorted(n)}")
+    out = {}
+    for reward in rewards:
+        prepare = getattr(reward, "prepare", None)
+        if callable(prepare):
+            out[getattr(reward, "name", None) or type(reward).__name__] = prepare(context, progress=progress)
+    return out
+
+
+def column_length(context: Mapping[str, Any]) -> int:
+    """Rows of a context of per-row columns (0 when it has none)."""
+    return max((len(v) for v in context.values() if isinstance(v, (list, tuple))), default=0)
 
 
 def story_context(context: Mapping[str, Any]) -> dict[str, Any]:

@@ -53,6 +53,11 @@ class CLIPScore(ClipReward):
     value_range = (0.0, WEIGHT)
     config_class = CLIPScoreConfig
 
+    def _prepare_source(self):
+        from storyrl.images import WholeImage
+
+        return WholeImage()  # as scoring: one embedding per image
+
     def _score_batch(self, stories: list[str], images=None, image_ids=None, **_: Any) -> np.ndarray:
         from storyrl.images import WholeImage
         from storyrl.text import split_sentences

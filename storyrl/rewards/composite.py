@@ -118,6 +118,10 @@ class CompositeReward(Reward):
         for reward in self.component_rewards.values():
             reward.setup()
 
+    def prepare(self, context, progress: bool = False) -> dict[str, Any]:
+        """Every component's :meth:`~storyrl.rewards.base.Reward.prepare`, by name."""
+        return {name: reward.prepare(context, progress=progress) for name, reward in self.component_rewards.items()}
+
     def log(self, log_metric=None, log_extra=None, scores: np.ndarray | None = None) -> None:
         """Log the last call's components: ``log_metric(name, value)`` for the
         scalars, ``log_extra(column, values)`` for the per-story columns

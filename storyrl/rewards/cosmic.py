@@ -79,6 +79,66 @@ class COSMiC(Reward):
         for label in (self.candidate_label, self.reference_label):
             scorer.head.label_index(label)  # a label the model lacks is the reward's error, not a story's
 
+    def prepare(self, context, progress: bool = False) -> dict[str, int]:
+        """Embed every row's images with the frozen image tower (in memory:
+        COSMiC has no disk cache), ``batch_size`` images per forward; a no-op
+        for a model without the image input."""
+        from storyrl.console import progress as progress_bar
+        from storyrl.images import ImageError, resolve_images
+        from storyrl.rewards.base import column_length, story_context
+
+        context = story_context(context)
+        images, image_ids = context.get("images"), context.get("image_ids")
+        n = column_length(context)
+        if (images is None and image_ids is None) or not n:
+            return {}
+        self.setup()
+        scorer = self._scorer()
+        if not scorer.head.config.use_image:
+            return {}
+        encoders = scorer.encoders
+        before = encoders.stats["images_embedded"]
+        counts = {"sequences": 0, "images": 0, "failed": 0}
+        seen: set = set()
+        chunk: list[list] = []
+
+        def flush() -> None:
+            try:
+                encoders.embed_images([s for seq in chunk for s in seq])
+            except ImageError:  # the unreadable sequence is scoring's to report
+                for seq in chunk:
+                    try:
+                        encoders.embed_images(seq)
+                    except ImageError:
+                        counts["failed"] += 1
+            chunk.clear()
+
+        bar = progress_bar(total=n, desc=f"{self.name}: embedding images", unit="seq", disable=not progress)
+        try:
+            for i in range(n):
+                bar.update(1)
+                try:
+                    seq = resolve_images(images=images[i] if images is not None else None,
+                                         image_ids=image_ids[i] if image_ids is not None else None,
+                                         image_root=self.image_root)
+                except ImageError:
+                    counts["failed"] += 1
+                    continue
+                new = [s for s in seq if not isinstance(s, str) or s not in seen]
+                seen.update(s for s in new if isinstance(s, str))
+                if new:
+                    counts["sequences"] += 1
+                    counts["images"] += len(new)
+                    chunk.append(new)
+                if sum(map(len, chunk)) >= self.batch_size:
+                    flush()
+            if chunk:
+                flush()
+        finally:
+            bar.close()
+        counts["embedded"] = encoders.stats["images_embedded"] - before
+        return counts
+
     def _pairs(self, story: str, images: list, reference) -> tuple[list, str | None]:
         """(image, sentence, reference sentence, reference label) per pair, or a reason."""
         from storyrl.text import split_sentences

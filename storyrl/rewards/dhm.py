@@ -152,6 +152,34 @@ class DHM(CompositeReward):
         super()._setup()
         self.human_table()
 
+    def prepare(self, context, progress: bool = False) -> dict[str, Any]:
+        """The components' image side (:meth:`CompositeReward.prepare`), then
+        the human story of every row scored and cached (as the first call
+        meeting it would; at most ``human_cache_size`` of them, the cache's
+        size), so that a training step scores only the generated stories."""
+        from storyrl.console import progress as progress_bar
+        from storyrl.rewards.base import column_length, story_context
+
+        counts = super().prepare(context, progress=progress)
+        context = story_context(context)
+        n = min(column_length(context), self.human_cache_size)
+        if not n or (context.get("reference") is None and context.get("story_id") is None):
+            return counts
+        self.setup()
+        before = self.stats["human_scored"]
+        step = 64
+        bar = progress_bar(total=n, desc=f"{self.name}: scoring human stories", unit="story", disable=not progress)
+        try:
+            for start in range(0, n, step):
+                index = list(range(start, min(n, start + step)))
+                self._human({k: take_column(k, v, index, column_length(context)) for k, v in context.items()},
+                            len(index))
+                bar.update(len(index))
+        finally:
+            bar.close()
+        counts["human_scored"] = self.stats["human_scored"] - before
+        return counts
+
     def human_table(self):
         """The ``human_scores`` table (read once), or None."""
         if self.human_scores is None or self._table is not None:

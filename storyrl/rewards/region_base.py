@@ -10,6 +10,8 @@ batched region embedding). Their configs build on :class:`ImageConfig`
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,9 @@ import numpy as np
 
 from storyrl.config import option
 from storyrl.images import REGION_KINDS
-from storyrl.rewards.base import ModelConfig, Reward
+from storyrl.rewards.base import ModelConfig, Reward, column_length, story_context
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,6 +57,77 @@ class RegionReward(Reward):
             self.regions, self.region_source = region_source_from_options(
                 a.regions, a.region_table, a.crops_dir, a.top_b, a.grid
             )
+
+    def _prepare_source(self):
+        """The region source :meth:`prepare` cuts images with: the one scoring uses."""
+        return self.region_source
+
+    def _region_embedder(self):
+        """The model embedder whose ``stats`` count embedded regions (None: not counted)."""
+        return getattr(self, "embedder", None)
+
+    def prepare(self, context: Mapping[str, Any], progress: bool = False) -> dict[str, int]:
+        """Embed the regions of every row's image sequence into the reward's
+        caches (module docs of :mod:`storyrl.rewards.base`), about
+        ``batch_size`` regions per forward; regions already cached (in
+        memory or in ``cache_dir``) are not embedded again, and with
+        ``cache_dir`` each batch is on disk before the next starts, so an
+        interrupted run loses at most one batch. Rows whose images cannot be
+        read are counted in ``failed`` and left to scoring to report."""
+        from storyrl.console import progress as progress_bar
+        from storyrl.images import ImageError, sequence_regions
+
+        context = story_context(context)
+        images, image_ids = context.get("images"), context.get("image_ids")
+        n = column_length(context)
+        if (images is None and image_ids is None) or not n:
+            return {}
+        Reward.setup(self)  # the models, not the text side (GROOViST's spaCy check)
+        source = self._prepare_source()
+        need_files = getattr(source, "crops_dir", None) is None
+        embedder = self._region_embedder()
+        before = dict(getattr(embedder, "stats", {}))
+        counts = {"sequences": 0, "regions": 0, "failed": 0}
+        seen: set = set()
+        chunk: list = []
+
+        def flush() -> None:
+            for emb in self._embed_regions(chunk):
+                if isinstance(emb, Exception):
+                    counts["failed"] += 1
+            chunk.clear()
+
+        bar = progress_bar(total=n, desc=f"{self.name}: embedding images", unit="seq", disable=not progress)
+        try:
+            for i in range(n):
+                bar.update(1)
+                try:
+                    seq, ids = self._story_images(i, images, image_ids, need_files)
+                    regions = sequence_regions(source, seq, ids)
+                except ImageError:
+                    counts["failed"] += 1
+                    continue
+                new = [r for r in regions if r.key not in seen]
+                if not new:
+                    continue
+                seen.update(r.key for r in new)
+                counts["sequences"] += 1
+                counts["regions"] += len(new)
+                chunk.append(new)
+                if sum(map(len, chunk)) >= self.batch_size:
+                    flush()
+            if chunk:
+                flush()
+        finally:
+            bar.close()
+        after = getattr(embedder, "stats", {})
+        counts["embedded"] = after.get("regions_embedded", 0) - before.get("regions_embedded", 0)
+        counts["from_disk"] = after.get("regions_from_disk", 0) - before.get("regions_from_disk", 0)
+        cache = getattr(embedder, "regions", None)
+        if getattr(embedder, "disk", None) is None and cache is not None and counts["regions"] > cache.maxsize:
+            log.warning("%s: %d regions prepared but only the %d last are kept in memory; set cache_dir (a disk "
+                        "cache) to keep them all", self.name, counts["regions"], cache.maxsize)
+        return counts
 
     def _embed_region_list(self, regions: list) -> np.ndarray:
         """``[len(regions), dim]`` embeddings (raises ImageError for an
