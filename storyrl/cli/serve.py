@@ -53,6 +53,9 @@ class _Finite(click.FloatRange):
               help="Larger images (width x height, from the header) make their story unscorable, undecoded.")
 @click.option("--shutdown-timeout-s", default=10.0, show_default=True, type=_Finite(0, 3600),
               help="On SIGTERM/SIGINT, how long open requests may finish before they get 503.")
+@click.option("--prepare-data", type=_FILE, default=None,
+              help="Stories file (JSONL, VIST SIS, VWP) whose images (resolved in --image-root) are embedded "
+                   "before listening, with the human stories of dhm scored, so that requests only do text work.")
 @click.option("--docs/--no-docs", default=False, show_default=True, help="Serve /docs and /openapi.json.")
 @click.option("--fallback", type=_Finite(), default=None,
               help="Reward of an unscorable story (JSON has no NaN) [default: $STORYRL_REWARD_FALLBACK or 0.0].")
@@ -60,8 +63,8 @@ class _Finite(click.FloatRange):
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(config: Path, host: str, port: int, token: str | None, max_batch_size: int, max_wait_ms: float,
           timeout_s: float, max_body_bytes: int, max_stories_per_request: int, max_story_chars: int,
-          image_root: Path | None, max_image_pixels: int, shutdown_timeout_s: float, docs: bool,
-          fallback: float | None, log_level: str) -> None:
+          image_root: Path | None, max_image_pixels: int, shutdown_timeout_s: float, prepare_data: Path | None,
+          docs: bool, fallback: float | None, log_level: str) -> None:
     """Serve the reward of CONFIG over HTTP for OpenRLHF (--remote_rm_url
     http://HOST:PORT/get_reward) and other trainers: POST /get_reward with
     {"query": [...], "prompts": [...], "labels": [...]} answers {"rewards":
@@ -84,6 +87,15 @@ def serve(config: Path, host: str, port: int, token: str | None, max_batch_size:
                     max_story_chars=max_story_chars, max_image_pixels=max_image_pixels,
                     image_root=None if image_root is None else str(image_root))
     reward = load_reward_config(config).setup()  # a bad config or model fails here, before listening
+    if prepare_data is not None:
+        from storyrl.integrations.server import prepare_for_data
+        from storyrl.rewards.base import RewardError
+
+        try:
+            counts = prepare_for_data(reward, str(prepare_data), None if image_root is None else str(image_root))
+        except (ValueError, RewardError) as exc:
+            _fail(f"--prepare-data {prepare_data}: {exc}")
+        click.echo(f"storyrl serve: prepared {prepare_data}: {counts}", err=True)
     app = create_app(reward, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, fallback=fallback,
                      limits=limits, timeout_s=timeout_s, token=token, docs=docs)
     if not is_loopback(host) and token is None:

@@ -345,6 +345,20 @@ def _make_rewards(config: SweepConfig, source: str) -> list:
     return rewards
 
 
+def prepare_sweep_rewards(rewards: list, records: Sequence[StoryRecord], progress: bool) -> dict:
+    """The rewards' image side embedded once for every record before any
+    scoring (:meth:`storyrl.rewards.base.Reward.prepare`), so that the cells'
+    scoring is text work only."""
+    from storyrl.rewards.base import prepare_rewards
+
+    images = [r.images or None for r in records]
+    ids = [r.image_ids or None for r in records]
+    context = {"images": images if any(images) else None, "image_ids": ids if any(ids) else None}
+    if progress and any(getattr(r, "prepare", None) for r in rewards):
+        print("sweep: embedding the images", file=sys.stderr)
+    return prepare_rewards(rewards, context, progress=progress)
+
+
 @dataclass
 class CellResult:
     """A cell's (or, with prompt ``mean``, a model × setting's) d_HM row."""
@@ -414,6 +428,7 @@ def run_sweep(config: SweepConfig, progress: bool = True) -> SweepResult | None:
         procs.wait()  # the main process scores and writes the tables
         return None
     try:
+        prepare_sweep_rewards(rewards, records, progress)
         if config.human_scores is not None:
             human = read_scores(config.human_scores, require=metrics)
         else:

@@ -85,6 +85,35 @@ _BODY_SCHEMA = {"requestBody": {"required": True, "content": {"application/json"
     "schema": RewardRequest.model_json_schema()}}}}
 
 
+def prepare_for_data(reward, data: str, image_root: str | None = None, progress: bool = True) -> dict:
+    """Before the server listens: the reward's image side embedded for every
+    record of ``data`` (storyrl JSONL, VIST SIS or VWP; images and image ids
+    resolved in ``image_root`` as requests' labels are), into the caches the
+    server's scoring reads (in memory, and the reward's ``cache_dir`` when it
+    has one), with d_HM's human stories scored. The server cannot know its
+    clients' images in advance, hence this explicit data file
+    (``storyrl serve --prepare-data``). Raises ValueError for a bad file."""
+    import os
+
+    from storyrl.datasets import load_records
+    from storyrl.rewards.base import prepare_rewards
+
+    records = load_records(data)
+    root = os.path.realpath(image_root) if image_root is not None else None
+
+    def where(path: Any) -> Any:  # the real path, as ImageGuard gives the reward
+        if not isinstance(path, str) or root is None:
+            return path
+        return os.path.realpath(path if os.path.isabs(path) else os.path.join(root, path))
+
+    images = [[where(p) for p in r.images] if r.images else None for r in records]
+    ids = [list(r.image_ids) if r.image_ids else None for r in records]
+    context = {"images": images if any(images) else None, "image_ids": ids if any(ids) else None,
+               "story_id": [r.story_id for r in records],
+               "reference": [r.reference if r.reference is not None else (r.story or None) for r in records]}
+    return prepare_rewards([reward], context, progress=progress)
+
+
 def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, fallback: float | None = None,
                limits: Limits | None = None, timeout_s: float | None = 60.0, token: str | None = None,
                docs: bool = False) -> FastAPI:

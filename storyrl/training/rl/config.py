@@ -113,6 +113,10 @@ class RLConfig(StorytellerConfig):
     async_rewards: bool = option(False, "Run each reward in a worker thread of its own, concurrently with the "
                                  "others (TRL's async reward functions; PPO likewise): helps with several model or "
                                  "remote rewards. The remote reward is concurrent anyway.")
+    prepare_rewards: bool = option(True, "Before training, embed the image side of every dataset row (regions or "
+                                   "images, into each reward's caches: its disk cache with cache_dir) and score "
+                                   "d_HM's human stories once, so that a step only does the generated stories' "
+                                   "text work (Reward.prepare); false: done inside the steps on first visits.")
     # -- the algorithms' own options -------------------------------------------------
     ppo: PPOConfig | None = option(None, "storyrl PPOConfig keys (algorithm ppo).", cli=False)
     grpo: GRPOConfig | None = option(None, "TRL GRPOConfig keys (algorithm grpo).", cli=False)

@@ -2,7 +2,8 @@
 
 :func:`train` loads the policy (:mod:`storyrl.training.rl.policy`), builds
 the prompt dataset (:mod:`storyrl.training.rl.data`) and the rewards (their
-models load before training starts, so a broken reward fails at once), saves
+models load before training starts, so a broken reward fails at once), does the
+rewards' image side once over the dataset (``prepare_rewards``), saves
 the resolved config as ``OUTPUT_DIR/rl_config.yaml`` and runs the algorithm:
 ``grpo``/``rloo`` through TRL (:mod:`storyrl.training.rl.trl_trainers`),
 ``ppo`` through storyrl's :class:`~storyrl.training.rl.ppo.PPOTrainer`. The
@@ -25,7 +26,7 @@ from storyrl.training.rl.config import ALGORITHMS, RLConfig
 from storyrl.training.runs import guarded, is_main_process
 from storyrl.training.storyteller import RunResult
 
-__all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "run_ppo", "run_trl", "train"]
+__all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "prepare_rewards", "run_ppo", "run_trl", "train"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +106,11 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
             reward.setup()  # a reward that cannot load fails now, not after the first rollout
         except RewardError as exc:
             raise ValueError(str(exc)) from exc
-    rewards = config.reward_functions(rewards)
+    reward_functions = config.reward_functions(rewards)
     policy = load_policy(config, kind)
     dataset = build_dataset(config, kind, policy.processing_class)
+    prepare_rewards(config, rewards, dataset, progress)
+    rewards = reward_functions
     _save_config(config, resume)
     try:
         return algorithm.runner()(config, policy, dataset, rewards, resume=resume, progress=progress,
@@ -117,6 +120,33 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
         from storyrl.training.runs import RunFailedError
 
         raise RunFailedError(f"stopped: {exc}") from exc
+
+
+#: Dataset columns that :meth:`~storyrl.rewards.base.Reward.prepare` reads
+#: (``story_images``: the per-position image paths, the rewards' ``images``).
+PREPARE_COLUMNS = ("story_images", "image_ids", "reference", "story_id")
+
+
+def prepare_rewards(config: RLConfig, rewards: list, dataset, progress: bool = True) -> dict | None:
+    """Every reward's image side (and d_HM's human stories) done once over
+    all dataset rows before the first step (``prepare_rewards``; module
+    docs of :mod:`storyrl.rewards.base`). Returns the counts per reward, or
+    None when the option is off."""
+    if not config.prepare_rewards:
+        return None
+    from storyrl.rewards.base import RewardError
+    from storyrl.rewards.base import prepare_rewards as prepare
+
+    plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset  # no VLM image transform
+    names = getattr(plain, "column_names", None) or (list(plain[0]) if len(plain) else [])
+    context = {c: list(plain[c]) for c in PREPARE_COLUMNS if c in names}
+    context = {c: v for c, v in context.items() if any(x is not None for x in v)}  # e.g. no image ids
+    try:
+        counts = prepare(rewards, context, progress=progress and is_main_process())
+    except RewardError as exc:
+        raise ValueError(str(exc)) from exc
+    logger.info("rewards prepared over %d rows: %s", len(plain), counts)
+    return counts
 
 
 def run_trl(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool,
