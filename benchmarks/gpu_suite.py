@@ -715,9 +715,9 @@ def readme_estimates() -> dict[str, str]:
         if len(cells) < 3 or "GiB" not in cells[-1]:
             continue
         if cells[0].startswith("LLaVA-NeXT-7B") and "llava" not in found:
-            found["llava"] = f"{cells[-1]} ({cells[0]})"
+            found["llava"] = cells[-1]
         elif "LLaMA-2-7B" in cells[0] and "4-bit" in cells[0] and "llama" not in found:
-            found["llama"] = f"{cells[-1]} ({cells[0].split(':')[0]})"
+            found["llama"] = cells[-1]
     return found
 
 
@@ -834,7 +834,7 @@ def part_rl(ctx: Context, section: Section) -> None:
             if extra.get("load_in_4bit"):
                 if not ctx.cuda:
                     extra = {k: v for k, v in extra.items() if k != "load_in_4bit"}
-                    section.skip(f"{label}: 4-bit", "no CUDA device (bitsandbytes needs one); ran LoRA on the "
+                    section.skip(f"{label}, its 4-bit base", "no CUDA device (bitsandbytes needs one); ran LoRA on the "
                                  "full-precision base instead")
                     label = label.replace(" 4-bit", "")
                 else:
@@ -851,8 +851,8 @@ def part_rl(ctx: Context, section: Section) -> None:
                 free_memory()
                 with rl_options(extra):
                     t1 = time.perf_counter()
-                    step_rows, calls = runners[algorithm]({**assets, "policy": policy}, args, "dhm",
-                                                          tmp / f"{key}_{algorithm}")
+                    run_assets = {**assets, "policy": policy, "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
+                    step_rows, calls = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}")
                     run_s = time.perf_counter() - t1
                 s = summarise(algorithm, step_rows, calls, peak(ctx.device))
                 m, share = s["mean_s"], s["share"]
@@ -870,9 +870,12 @@ def part_rl(ctx: Context, section: Section) -> None:
     section.table(rows)
     section.note("time split: rl_step.py's phases (generation, no-grad forwards, the dhm reward, the rest = "
                  "optimisation) as shares of the mean timed step; peak = torch.cuda.max_memory_allocated over the "
-                 "run. The README's estimates are for inference (LLaVA) and TAPM training at batch 2 (LLaMA), "
-                 "not for RL: they are a floor to compare with, not the same workload. The 7B policies are "
-                 "random (not fitted), so most of their stories are unscorable word soup; the reward still runs.")
+                 "run. README estimate: benchmarks/README.md's table of 7B memory estimates, its LLaVA-NeXT-7B fp16 "
+                 "inference row and its LLaMA-2-7B 4-bit + LoRA (TAPM training, batch 2) row: not for RL: they are a floor to compare with, not the same workload. The 7B policies are "
+                 "random (not fitted), so most of their stories are unscorable word soup: `bleu` (model-free, against the "
+                 "human story) is added next to `dhm` so that every step has a finite reward (storyrl stops a run "
+                 "whose rewards score nothing); its cost counts in the reward share, and `dhm` does less work on "
+                 "one-sentence soup (no coherence pairs) than on a trained policy's stories.")
 
 
 # -- part: deepspeed ----------------------------------------------------------------------------
