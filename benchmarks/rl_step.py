@@ -163,6 +163,60 @@ class NounPhrases:
         return [self._pattern.findall(s.lower()) if isinstance(s, str) else [] for s in stories]
 
 
+class SpacyShapedPhrases:
+    """GROOViST's extraction path at spaCy's cost: storyrl's
+    :class:`~storyrl.noun_phrases.PhraseExtractor` (sentence split,
+    placeholders, per-sentence cache, one ``nlp.pipe`` over the new
+    sentences) with a real spaCy pipeline of ``en_core_web_sm``'s shape --
+    spaCy's own "efficiency" English config (a shared CNN tok2vec, width
+    96, hash-embedding rows 5000/1000/2500/2500, then tagger and parser, the
+    components noun chunks need) -- with random weights: no trained English
+    pipeline can be installed here. A random parser's noun chunks mean
+    nothing, so each parsed sentence's phrases are taken by the regular
+    expression of :class:`NounPhrases` from the parsed text (the scores stay
+    those of the regex extractor; the time is spaCy's)."""
+
+    def __init__(self) -> None:
+        from storyrl.noun_phrases import PhraseExtractor
+
+        self.inner = PhraseExtractor(nlp=_RegexChunked(_random_sm_pipeline()))
+
+    def extract(self, stories):
+        return self.inner.extract(list(stories))
+
+
+def _random_sm_pipeline():
+    import spacy
+    from spacy.cli.init_config import init_config
+    from spacy.training import Example
+
+    config = init_config(lang="en", pipeline=["tagger", "parser"], optimize="efficiency")
+    nlp = spacy.util.load_model_from_config(config, auto_fill=True, validate=True)
+    example = Example.from_dict(nlp.make_doc("the red dog ran to the park ."), {
+        "tags": ["DT", "JJ", "NN", "VBD", "IN", "DT", "NN", "."], "heads": [2, 2, 3, 3, 3, 6, 4, 3],
+        "deps": ["det", "amod", "nsubj", "ROOT", "prep", "det", "pobj", "punct"]})
+    nlp.initialize(lambda: [example])  # labels only: the weights stay random
+    return nlp
+
+
+class _RegexChunked:
+    """``pipe`` runs the spaCy pipeline, then gives each parsed sentence the
+    regex's phrases as its ``noun_chunks``."""
+
+    def __init__(self, nlp) -> None:
+        self.nlp = nlp
+
+    def pipe(self, texts, batch_size=64):
+        from types import SimpleNamespace
+
+        for doc in self.nlp.pipe(texts, batch_size=batch_size):
+            chunks = [SimpleNamespace(text=m) for m in NounPhrases._pattern.findall(doc.text.lower())]
+            yield SimpleNamespace(noun_chunks=chunks)
+
+
+NP_EXTRACTORS = {"spacy-sm-shape": SpacyShapedPhrases, "regex": NounPhrases}
+
+
 # -- arguments ------------------------------------------------------------------------------
 
 
@@ -188,6 +242,12 @@ def parse_args(argv=None):
                         "new ones, as in a first epoch; e.g. --sequences 8 --warmup 4 makes every timed step a "
                         "revisit, as in later epochs, with the reward's caches warm)")
     p.add_argument("--sft-steps", type=int, default=150, help="untimed fitting of the policy to stories (default 150)")
+    p.add_argument("--prepare", choices=["both", "on", "off"], default="both",
+                   help="run each algorithm with the rewards prepared before training (RLConfig prepare_rewards: "
+                        "the images embedded, d_HM's human stories scored), without, or both side by side (default)")
+    p.add_argument("--noun-phrases", choices=sorted(NP_EXTRACTORS), default="spacy-sm-shape",
+                   help="GROOViST's NP extraction: spaCy at en_core_web_sm's shape with random weights (default), "
+                        "or the cheap regex stand-in")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
@@ -346,13 +406,14 @@ def _prompt_text(n: int) -> str:
 # -- configs and rewards ----------------------------------------------------------------------
 
 
-def rl_config(assets: dict, args, reward: str, algorithm: str, out: Path):
+def rl_config(assets: dict, args, reward: str, algorithm: str, out: Path, prepare: bool = False):
     from storyrl.training.rl.config import RLConfig
 
     steps = args.warmup + args.steps
     mapping = {
         "algorithm": algorithm, "model": assets["policy"], "data": assets["data"], "output_dir": str(out),
         "rewards": assets["rewards"][reward], "max_steps": steps, "seed": 0, "prompt": "P3", "report_to": "none",
+        "prepare_rewards": prepare,
     }
     if algorithm == "ppo":
         mapping["ppo"] = {"per_device_train_batch_size": args.batch, "response_length": args.max_new_tokens,
@@ -366,9 +427,9 @@ def rl_config(assets: dict, args, reward: str, algorithm: str, out: Path):
     return RLConfig.from_mapping(mapping)
 
 
-def build_rewards(config):
+def build_rewards(config, noun_phrases: str = "regex"):
     """The config's rewards, set up as ``storyrl train rl`` does, with the
-    stand-in noun-phrase extractor in GROOViST. Models and embedding caches
+    ``--noun-phrases`` extractor in GROOViST. Models and embedding caches
     are shared per process: they are released first, so each run starts
     cold (a run does not reuse the regions an earlier run embedded)."""
     from storyrl.models.runtime import release_models
@@ -380,18 +441,25 @@ def build_rewards(config):
     for reward in rewards:
         grounding = getattr(reward, "component_rewards", {}).get("grounding")
         if grounding is not None:  # before setup, which otherwise requires the spaCy pipeline
-            grounding._extractor = NounPhrases()
+            grounding._extractor = NP_EXTRACTORS[noun_phrases]()
         reward.setup()
     return rewards
 
 
-def load(config):
+def load(config, rewards: list) -> tuple:
+    """The policy and the dataset, then the rewards prepared over the
+    dataset when the config says so, as ``storyrl train rl`` does; returns
+    them and the seconds the preparation took (None when off)."""
     from storyrl.training.rl.data import build_dataset
     from storyrl.training.rl.policy import load_policy
+    from storyrl.training.rl.train import prepare_rewards
 
     kind = config.policy_kind()
     policy = load_policy(config, kind)
-    return policy, build_dataset(config, kind, policy.processing_class)
+    dataset = build_dataset(config, kind, policy.processing_class)
+    t0 = time.perf_counter()
+    done = prepare_rewards(config, rewards, dataset, progress=False)
+    return policy, dataset, None if done is None else time.perf_counter() - t0
 
 
 # -- timing helpers ---------------------------------------------------------------------------
@@ -520,18 +588,19 @@ def _peak_mib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_ppo(assets: dict, args, reward: str, out: Path) -> tuple[list[dict], list[dict]]:
+def run_ppo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple[list[dict], list[dict], float | None]:
     """Per timed step: step, generation, forward, reward, optimisation
-    (PPO's own ``time/*`` laps); and the timed reward calls' records
-    (:class:`TimedReward`)."""
+    (PPO's own ``time/*`` laps); the timed reward calls' records
+    (:class:`TimedReward`); the seconds of the rewards' preparation."""
     from storyrl.training.rl.policy import lora_config
     from storyrl.training.rl.ppo import PPOTrainer
 
-    config = rl_config(assets, args, reward, "ppo", out)
+    config = rl_config(assets, args, reward, "ppo", out, prepare)
     calls: list[dict] = []
     # A CPU clock: no device synchronisation added inside PPO's own laps.
-    rewards = [TimedReward(r, Clock("cpu"), calls) for r in build_rewards(config)]
-    policy, dataset = load(config)
+    plain = build_rewards(config, args.noun_phrases)
+    policy, dataset, prepare_s = load(config, plain)
+    rewards = [TimedReward(r, Clock("cpu"), calls) for r in plain]
     trainer = PPOTrainer(model=policy.model, reward_funcs=rewards, args=config.ppo, train_dataset=dataset,
                          processing_class=policy.processing_class, peft_config=lora_config(config, policy.kind),
                          reward_weights=config.reward_weights)
@@ -548,20 +617,21 @@ def run_ppo(assets: dict, args, reward: str, out: Path) -> tuple[list[dict], lis
         row = {"step": h["time/step"], "generation": h["time/generation"], "forward": h["time/forward"],
                "reward": h["time/reward"], "ppo_optimization": h["time/optimization"]}
         steps.append(_with_rest(row, h))
-    return steps, calls[args.warmup:]
+    return steps, calls[args.warmup:], prepare_s
 
 
-def run_grpo(assets: dict, args, reward: str, out: Path) -> tuple[list[dict], list[dict]]:
+def run_grpo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple[list[dict], list[dict], float | None]:
     import torch
     from trl import GRPOTrainer
 
     from storyrl.training.rl.trl_trainers import train_trl
 
-    config = rl_config(assets, args, reward, "grpo", out)
+    config = rl_config(assets, args, reward, "grpo", out, prepare)
     clock = Clock(args.device)
     calls: list[dict] = []
-    rewards = [TimedReward(r, clock, calls) for r in build_rewards(config)]
-    policy, dataset = load(config)
+    plain = build_rewards(config, args.noun_phrases)
+    policy, dataset, prepare_s = load(config, plain)
+    rewards = [TimedReward(r, clock, calls) for r in plain]
     steps: list[dict] = []
 
     def timed(phase, only_without_grad=False):
@@ -585,7 +655,7 @@ def run_grpo(assets: dict, args, reward: str, out: Path) -> tuple[list[dict], li
     out_steps = []
     for row, h in zip(steps[args.warmup:], history[args.warmup:]):
         out_steps.append(_with_rest({"step": row["step"], **{p: row.get(p, 0.0) for p in PHASES[:3]}}, h))
-    return out_steps, calls[args.warmup:]
+    return out_steps, calls[args.warmup:], prepare_s
 
 
 def _with_rest(row: dict, logged: dict) -> dict:
@@ -617,11 +687,27 @@ def summarise(name: str, steps: list[dict], calls: list[dict], peak: float | Non
     return summary
 
 
+def side_by_side(results: list[dict]) -> None:
+    """Each algorithm's reward share without and with the rewards prepared."""
+    print("\nside by side (same run): reward share of the step, without -> with prepare_rewards")
+    for name in dict.fromkeys(r["algorithm"] for r in results):
+        runs = {r["prepared"]: r for r in results if r["algorithm"] == name}
+        if len(runs) < 2:
+            continue
+        off, on = runs[False], runs[True]
+        print(f"  {name.upper():5s} step {1e3 * off['mean_s']['step']:.0f} -> {1e3 * on['mean_s']['step']:.0f} ms, "
+              f"reward {1e3 * off['mean_s']['reward']:.0f} -> {1e3 * on['mean_s']['reward']:.0f} ms, share "
+              f"{100 * off['share']['reward']:.1f} % ({off['verdict']}) -> {100 * on['share']['reward']:.1f} % "
+              f"({on['verdict']}); preparing took {on['prepare_s']:.2f} s once")
+
+
 def report(summary: dict) -> None:
     name, m, s = summary["algorithm"], summary["mean_s"], summary["share"]
     peak = f", peak CUDA {summary['peak_cuda_mib']:.0f} MiB" if summary["peak_cuda_mib"] is not None else ""
-    print(f"\n{summary['reward']} / {name.upper()}: {m['step']:.3f} s/step (mean of {summary['steps']}; run incl. "
-          f"set-up {summary['run_s']:.0f} s){peak}")
+    prepared = (f", rewards prepared before training in {summary['prepare_s']:.2f} s" if summary.get("prepared")
+                else ", rewards not prepared")
+    print(f"\n{summary['reward']} / {name.upper()}{prepared}: {m['step']:.3f} s/step (mean of {summary['steps']}; "
+          f"run incl. set-up {summary['run_s']:.0f} s){peak}")
     for p in PHASES:
         print(f"  {p:13s} {m[p]:8.3f} s  {100 * s[p]:5.1f} %")
     b = summary["reward_breakdown_s"]
@@ -681,32 +767,41 @@ def main(argv=None) -> int:
         print(f"RL step benchmark: {args.policy_size} policy ({assets['policy_parameters'] / 1e6:.2f} M parameters), "
               f"batch {args.batch} stories (GRPO {args.batch // args.generations} prompts x {args.generations}), "
               f"{args.max_new_tokens} new tokens, {args.warmup} warm-up + {args.steps} timed steps, "
-              f"{args.sequences} sequences, device {args.device}, {torch.get_num_threads()} torch thread(s)")
+              f"{args.sequences} sequences, device {args.device}, {torch.get_num_threads()} torch thread(s), "
+              f"noun phrases: {args.noun_phrases}, prepare_rewards: {args.prepare}")
         print(f"assets built in {time.perf_counter() - t0:.1f} s (policy fitted to stories in {assets['sft_s']:.1f} s, "
               f"loss {assets['sft_loss']:.2f}; GROOViST weighting: {assets['weighting']})")
         print(f"python {platform.python_version()}, torch {torch.__version__}, transformers "
-              f"{transformers.__version__}, trl {trl.__version__}, {platform.machine()}, {os.cpu_count()} CPUs")
+              f"{transformers.__version__}, trl {trl.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, "
+              f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         print(f"a sampled story of the fitted policy: {assets['sample_story']!r}")
         results = []
         failed = False
+        variants = {"both": [False, True], "on": [True], "off": [False]}[args.prepare]
         for kind in kinds:
             pair = []
             for name in args.algorithms:
-                t0 = time.perf_counter()
-                try:
-                    run = run_ppo if name == "ppo" else run_grpo
-                    steps, calls = run(assets, args, kind, tmp / f"out_{kind}_{name}")
-                except Exception as exc:  # report the other runs' figures anyway
-                    import traceback
+                for prepare in variants:
+                    t0 = time.perf_counter()
+                    label = f"{name}{'_prepared' if prepare else ''}"
+                    try:
+                        run = run_ppo if name == "ppo" else run_grpo
+                        steps, calls, prepare_s = run(assets, args, kind, tmp / f"out_{kind}_{label}", prepare)
+                    except Exception as exc:  # report the other runs' figures anyway
+                        import traceback
 
-                    traceback.print_exc()
-                    print(f"{kind} / {name}: failed: {type(exc).__name__}: {exc}")
-                    failed = True
-                    continue
-                summary = {"reward": kind, **summarise(name, steps, calls, _peak_mib(args.device)),
-                           "run_s": time.perf_counter() - t0}
-                report(summary)
-                pair.append(summary)
+                        traceback.print_exc()
+                        print(f"{kind} / {label}: failed: {type(exc).__name__}: {exc}")
+                        failed = True
+                        continue
+                    summary = {"reward": kind, **summarise(name, steps, calls, _peak_mib(args.device)),
+                               "prepared": prepare, "prepare_s": prepare_s, "run_s": time.perf_counter() - t0}
+                    report(summary)
+                    if prepare == variants[-1]:
+                        pair.append(summary)
+                    results.append(summary)
+            if len(variants) == 2:
+                side_by_side([r for r in results if r["reward"] == kind])
             if len(pair) == 2:
                 a, b = pair
                 print(f"\n{kind}: step time {a['algorithm'].upper()} / {b['algorithm'].upper()} "
@@ -715,7 +810,6 @@ def main(argv=None) -> int:
                 if a["peak_cuda_mib"] is not None:
                     print(f"peak CUDA memory {a['algorithm'].upper()} {a['peak_cuda_mib']:.0f} MiB, "
                           f"{b['algorithm'].upper()} {b['peak_cuda_mib']:.0f} MiB")
-            results.extend(pair)
         if args.json:
             args.json.write_text(json.dumps(dict(
                 reward=args.reward, policy_size=args.policy_size, batch=args.batch, generations=args.generations,
@@ -725,6 +819,7 @@ def main(argv=None) -> int:
                 torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__,
                 policy_parameters=assets["policy_parameters"], sequences=args.sequences,
                 sft_loss=assets["sft_loss"], sample_story=assets["sample_story"], target=TARGET,
+                prepare=args.prepare, noun_phrases=args.noun_phrases, load_average=os.getloadavg(),
                 results=results, date=time.strftime("%Y-%m-%d")), indent=1, default=str))
     return 1 if failed else 0
 
