@@ -503,6 +503,9 @@ class TimedReward:
         self._human = False
         for name, component in getattr(reward, "component_rewards", {}).items():
             component.score = self._timed_score(name, component.score)
+            extractor = getattr(component, "_extractor", None)
+            if extractor is not None:  # GROOViST's NP extraction, part of its time
+                extractor.extract = self._timed_score(f"{name}: noun phrases", extractor.extract)
         if hasattr(reward, "_human"):
             reward._human = self._in_human(reward._human)
 

@@ -319,3 +319,22 @@ def test_serve_cli_prepare_data(tmp_path, images, monkeypatch):
     assert result.exit_code == 0, result.output
     assert seen == {"data": str(data), "root": root, "served": True}
     assert "prepared" in result.output
+
+
+def test_rovist_vg_prepares_its_regions(rovist_vg_dir, glove_path, images, fresh):
+    from storyrl.rewards.rovist_vg import RovistVG
+
+    nouns = [["dog", "car"], ["cat", "tree", "sky"], ["sky"]]
+
+    def make():
+        return RovistVG(model=rovist_vg_dir, glove=glove_path, device="cpu", regions="grid", grid=2)
+
+    want = make().score(STORIES, images=sequences(images), nouns=nouns)
+    assert np.isfinite(want).all()
+    release_models()
+    reward = make()
+    counts = reward.prepare({"images": sequences(images)})
+    assert (counts["regions"], counts["embedded"]) == (15, 15)  # 3 images x (2x2 + whole)
+    got = reward.score(STORIES, images=sequences(images), nouns=nouns)
+    assert reward.embedder.stats["regions_embedded"] == 15  # nothing embedded by scoring
+    np.testing.assert_allclose(got, want, rtol=1e-5)
