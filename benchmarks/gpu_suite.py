@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
+import inspect
 import json
 import math
 import os
@@ -802,14 +803,37 @@ def part_rl(ctx: Context, section: Section) -> None:
         build_assets, summarise, peak = rl_step.build_assets, rl_step.summarise, rl_step._peak_mib
     except (ImportError, AttributeError) as exc:
         raise Skip(f"benchmarks/rl_step.py's runners are not importable ({_one_line(exc)})") from None
-    if ctx.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # accelerate (PPO) would take a visible GPU
+    with _hidden_gpus(ctx.device == "cpu"):  # accelerate (PPO) would take a visible GPU
+        _part_rl(ctx, section, rl_step, runners, build_assets, summarise, peak)
+
+
+@contextmanager
+def _hidden_gpus(hide: bool):
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
     steps, warmup = (1, 0) if ctx.tiny else (2, 1)
     batch, generations = (4, 2) if ctx.tiny else (8, 4)
-    args = SimpleNamespace(sequences=batch * (steps + warmup), policy_size="tiny", sft_steps=20 if ctx.tiny else 150,
-                           device=ctx.device, reward="dhm", warmup=warmup, steps=steps, batch=batch,
-                           generations=generations, max_new_tokens=16 if ctx.tiny else 64, ppo_epochs=4 if not
-                           ctx.tiny else 1, grpo_beta=0.04, threads=1)
+    # rl_step's own parser: its defaults for whatever options it has grown (NP extraction, ...)
+    args = rl_step.parse_args(["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
+                               "--generations", str(generations), "--max-new-tokens", "16" if ctx.tiny else "64",
+                               "--ppo-epochs", "1" if ctx.tiny else "4", "--sft-steps", "20" if ctx.tiny else "150",
+                               "--device", ctx.device, "--reward", "dhm",
+                               # --tiny: the cheap regex NPs (the spaCy-shaped default costs seconds to set up)
+                               *(["--noun-phrases", "regex"] if ctx.tiny and "regex" in getattr(
+                                   rl_step, "NP_EXTRACTORS", ()) else [])])
+    # rewards prepared before training (the image side embedded once) where rl_step.py can do it
+    prepare = {"prepare": True} if "prepare" in inspect.signature(runners["ppo"]).parameters else {}
     tmp = ctx.root / "rl"
     t0 = time.perf_counter()
     assets = build_assets(tmp, args)
@@ -852,8 +876,10 @@ def part_rl(ctx: Context, section: Section) -> None:
                 with rl_options(extra):
                     t1 = time.perf_counter()
                     run_assets = {**assets, "policy": policy, "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
-                    step_rows, calls = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}")
+                    result = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}", **prepare)
                     run_s = time.perf_counter() - t1
+                step_rows, calls = result[0], result[1]
+                prepare_s = result[2] if len(result) > 2 else None
                 s = summarise(algorithm, step_rows, calls, peak(ctx.device))
                 m, share = s["mean_s"], s["share"]
                 peak_mib = s.get("peak_cuda_mib")
@@ -861,6 +887,7 @@ def part_rl(ctx: Context, section: Section) -> None:
                              "step (s)": m["step"], "generation": f"{100 * share['generation']:.0f} %",
                              "forward": f"{100 * share['forward']:.0f} %", "reward": f"{100 * share['reward']:.0f} %",
                              "optimisation": f"{100 * share['optimisation']:.0f} %", "run (s)": run_s,
+                             "rewards prepared (s)": prepare_s,
                              "peak GiB": None if peak_mib is None else peak_mib / 1024,
                              "README estimate": estimates.get(key, "not found in benchmarks/README.md")})
             if key == "llava" and not ctx.tiny:
@@ -868,6 +895,8 @@ def part_rl(ctx: Context, section: Section) -> None:
 
                 shutil.rmtree(tmp / "llava", ignore_errors=True)  # ~15 GB of disk
     section.table(rows)
+    section.note("rewards prepared: the image side of the data set embedded (and the human stories scored) "
+                 "before training by RLConfig prepare_rewards, untimed in the steps (— where rl_step.py cannot).")
     section.note("time split: rl_step.py's phases (generation, no-grad forwards, the dhm reward, the rest = "
                  "optimisation) as shares of the mean timed step; peak = torch.cuda.max_memory_allocated over the "
                  "run. README estimate: benchmarks/README.md's table of 7B memory estimates, its LLaVA-NeXT-7B fp16 "
@@ -992,6 +1021,7 @@ def device_line(device: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     out = args.out
     if out.exists() and not args.overwrite:
         print(f"{out}: exists; pass --overwrite to replace it, or --out another path", file=sys.stderr)
@@ -1049,7 +1079,7 @@ def main(argv=None) -> int:
 def render(args, device: str, sections: list[Section], budget: Budget) -> str:
     lines = ["# storyrl GPU validation suite", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
-             f"- command: `python benchmarks/gpu_suite.py {' '.join(sys.argv[1:])}`".replace("``", "`(in process)`"),
+             f"- command: `python benchmarks/gpu_suite.py {' '.join(args.argv)}`".replace(" `", "`"),
              f"- device: {device_line(device)}",
              f"- mode: {'--tiny (shrunk architectures)' if args.tiny else 'full-size architectures'}, random weights",
              f"- python {platform.python_version()}; {_versions()}",
