@@ -65,11 +65,24 @@ embeddings are computed for every new sequence as in a first epoch;
 concreteness weights and pronouns from ``../shared/data/groovist`` when that
 folder exists (else no weighting and a short pronoun list). RoViST-C runs a
 tiny random ALBERT (``save_coherence_model``, hidden 32 × 2 layers).
-spaCy's ``en_core_web_*`` pipelines cannot be installed here, so noun
-phrases come from a cheap stand-in extractor (a regular expression over the
-benchmark's word classes: determiner, adjectives, noun); real spaCy NP
-extraction would add its own time to the reward. ``--reward repetition``
-times the model-free RoViST-NR reward alone.
+spaCy's trained ``en_core_web_*`` pipelines cannot be installed here (not
+on the package registry), so noun phrases go through storyrl's
+``PhraseExtractor`` with a spaCy pipeline of ``en_core_web_sm``'s shape and
+random weights (:class:`SpacyShapedPhrases`: the time is spaCy's, the
+phrases come from a regular expression over the parsed sentence); the
+transformer ``en_core_web_trf`` (the authors') is not measured.
+``--noun-phrases regex`` uses the regular expression alone (no spaCy
+time). ``--reward repetition`` times the model-free RoViST-NR reward alone.
+
+Reward preparation
+------------------
+``--prepare both`` (default) runs each algorithm twice in the same run:
+without ``prepare_rewards`` (the reward embeds a new sequence's image
+regions and scores its human story inside the step that meets it), and
+with it (``RLConfig.prepare_rewards``, as ``storyrl train rl`` does by
+default: :func:`storyrl.training.rl.train.prepare_rewards` embeds every
+dataset row's regions and scores the human stories before the first step;
+its time is printed and not part of any step).
 
 Policy and data
 ---------------
@@ -94,6 +107,7 @@ Usage::
     python benchmarks/rl_step.py [--steps 5] [--warmup 1] [--sequences N] [--batch 8] [--generations 4]
         [--max-new-tokens 32] [--policy-size tiny|small] [--reward dhm|repetition|both] [--algorithms ppo,grpo]
         [--ppo-epochs 4] [--grpo-beta 0.04] [--device cpu|cuda] [--threads 1] [--sft-steps 150] [--json OUT]
+        [--prepare both|on|off] [--noun-phrases spacy-sm-shape|regex]
 """
 
 from __future__ import annotations
