@@ -469,6 +469,7 @@ def part_generate(ctx: Context, section: Section) -> None:
     variants += [("fp16", "fp16", False), ("4-bit NF4", "fp16", True)]
     rows, fp16_rows = [], []
     for label, precision, four_bit in variants:
+        vlm = authors = None  # drop the previous variant's model (also after an out-of-memory error)
         with row(section, label):
             if precision == "fp16":
                 ctx.need_cuda(f"{label} generation")
@@ -501,8 +502,8 @@ def part_generate(ctx: Context, section: Section) -> None:
                 rows.append(r)
                 if precision == "fp16" and not four_bit:
                     fp16_rows.append({"authors_sps": r["one at a time (stories/s)"]})
-            del vlm, authors
-            free_memory()
+    vlm = authors = None
+    free_memory()
     section.table(rows)
     with row(section, "vLLM"):
         ctx.need_cuda("vLLM")
@@ -927,7 +928,7 @@ def part_deepspeed(ctx: Context, section: Section) -> None:
     policy = save_tiny_llama(tmp / "policy", [*stories, "write a story of five sentences ."])
     steps = 3
     config = {"algorithm": "ppo", "output_dir": str(tmp / "run"), "model": policy, "data": str(data),
-              "setting": "text", "rewards": ["repetition"], "max_steps": steps, "report_to": "none",
+              "setting": "text", "rewards": ["bleu"], "max_steps": steps, "report_to": "none",
               "ppo": {"per_device_train_batch_size": 4, "response_length": 16, "num_ppo_epochs": 1,
                       "save_steps": None, "logging_steps": 1}}
     (tmp / "rl.yaml").write_text(yaml.safe_dump(config))
@@ -948,7 +949,7 @@ def part_deepspeed(ctx: Context, section: Section) -> None:
         raise RuntimeError(f"storyrl launch exited {done.returncode}: {tail[-400:]}")
     step_s = [h["time/step"] for h in logged if "time/step" in h]
     section.table([{"config": "configs/accelerate/deepspeed_zero2.yaml (--num_processes 1)",
-                    "policy": "tiny LLaMA (hidden 32, 2 layers)", "reward": "repetition", "steps logged": len(logged),
+                    "policy": "tiny LLaMA (hidden 32, 2 layers)", "reward": "bleu", "steps logged": len(logged),
                     "mean step (s)": sum(step_s) / len(step_s) if step_s else None, "run incl. start (s)": seconds}])
     section.note("`storyrl launch ... -- storyrl train rl` in a subprocess: checks that ZeRO-2 through the shipped "
                  "accelerate config trains end to end on one GPU, not its speed.")
@@ -1070,20 +1071,23 @@ def main(argv=None) -> int:
                 free_memory()
             section.seconds = time.perf_counter() - t0
             print(f"[gpu_suite] {key}: {section.status} in {section.seconds:.1f} s", file=sys.stderr)
-    text = render(args, device, sections, budget)
-    out.write_text(text, encoding="utf-8")
+            # after every part: a run cut short (a machine's time limit) still leaves what it measured
+            running = len(sections) < len(args.parts)
+            out.write_text(render(args, device, sections, budget, running), encoding="utf-8")
     print(f"wrote {out}")
     return 1 if any(s.status == "failed" for s in sections) else 0
 
 
-def render(args, device: str, sections: list[Section], budget: Budget) -> str:
+def render(args, device: str, sections: list[Section], budget: Budget, running: bool = False) -> str:
     lines = ["# storyrl GPU validation suite", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
              f"- command: `python benchmarks/gpu_suite.py {' '.join(args.argv)}`".replace(" `", "`"),
              f"- device: {device_line(device)}",
              f"- mode: {'--tiny (shrunk architectures)' if args.tiny else 'full-size architectures'}, random weights",
              f"- python {platform.python_version()}; {_versions()}",
-             f"- budget: {args.budget_minutes:g} min; used {(budget.total - budget.left()) / 60:.1f} min", "",
+             f"- budget: {args.budget_minutes:g} min; used {(budget.total - budget.left()) / 60:.1f} min",
+             *([f"- INCOMPLETE: {len(sections)} of {len(args.parts)} parts done, still running"] if running else []),
+             "",
              "## Summary", "", "| part | status | seconds |", "|---|---|---|"]
     lines += [f"| {s.key} | {s.status} | {s.seconds:.1f} |" for s in sections]
     for s in sections:

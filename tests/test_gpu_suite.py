@@ -71,6 +71,7 @@ def test_every_part_has_figures_or_a_skip_reason(report):
     assert summary == {"arch": "ok", "generate": "ok", "clip": "ok", "pairs": "ok", "rl": "ok",
                        "deepspeed": "skipped"}
     assert "- device: CPU only" in report and "--tiny" in report
+    assert "INCOMPLETE" not in report  # written after every part; the last write is the whole report
 
 
 def test_numbers_parse(report):
