@@ -828,7 +828,7 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     # rl_step's own parser: its defaults for whatever options it has grown (NP extraction, ...)
     args = rl_step.parse_args(["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
                                "--generations", str(generations), "--max-new-tokens", "16" if ctx.tiny else "64",
-                               "--ppo-epochs", "1" if ctx.tiny else "4", "--sft-steps", "20" if ctx.tiny else "150",
+                               "--ppo-epochs", "1" if ctx.tiny else "4", "--sft-steps", "20" if ctx.tiny else "1",
                                "--device", ctx.device, "--reward", "dhm",
                                # --tiny: the cheap regex NPs (the spaCy-shaped default costs seconds to set up)
                                *(["--noun-phrases", "regex"] if ctx.tiny and "regex" in getattr(
@@ -841,8 +841,10 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     vocabulary = " ".join([*rl_step.DETS, *rl_step.ADJS, *rl_step.NOUNS, *rl_step.VERBS, *rl_step.INTRANSITIVE,
                            *rl_step.PREPS, "we it was day then . [INST] [/INST]"])
     prompt = rl_step._prompt_text(rl_step.IMAGES_PER_SEQUENCE)
-    section.note(f"data, reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py) and the tiny fitted "
-                 f"policy built in {time.perf_counter() - t0:.1f} s; {batch} stories per step, "
+    section.note(f"data and reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py; its NP extractor "
+                 f"{getattr(args, 'noun_phrases', 'regex')}) built in {time.perf_counter() - t0:.1f} s; "
+                 f"{'the LLaMA policy: rl_step.py tiny one, fitted to write sentences; ' if ctx.tiny else ''}"
+                 f"{batch} stories per step, "
                  f"{warmup} warm-up + {steps} timed step(s), {args.max_new_tokens} new tokens")
     estimates = readme_estimates()
     gc_on = not ctx.tiny  # 7B with LoRA: activations recomputed, as the shipped configs do
@@ -855,7 +857,7 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     rows = []
     for label, key, extra in models:
         with row(section, label):
-            ctx.budget.check(40 if ctx.tiny else 300, f"rl {label}")
+            ctx.budget.check(40 if ctx.tiny else 420, f"rl {label}")  # 7B: build, save, PPO and GRPO
             if extra.get("load_in_4bit"):
                 if not ctx.cuda:
                     extra = {k: v for k, v in extra.items() if k != "load_in_4bit"}
@@ -911,42 +913,49 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
 # -- part: deepspeed ----------------------------------------------------------------------------
 
 
-def part_deepspeed(ctx: Context, section: Section) -> None:
+def launch_rl_steps(tmp: Path, launch_options: list[str], steps: int = 3, timeout: float = 600):
+    """``storyrl launch OPTIONS -- storyrl train rl`` in a subprocess: ``steps``
+    PPO steps of a tiny LLaMA on 8 synthetic sequences, scored by ``bleu``.
+    Returns (exit status, last lines of its output, seconds, history rows)."""
     import yaml
-
-    need("deepspeed", "pip install deepspeed")
-    ctx.need_cuda("DeepSpeed ZeRO-2")
-    ctx.budget.check(180, "deepspeed")
     from tiny_models import save_tiny_llama
 
-    tmp = ctx.root / "deepspeed"
     paths = write_sequence_images(tmp / "images", 8, (64, 48))
     stories = synthetic_stories(8)
     data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": s, "images": p}) + "\n"
                             for k, (s, p) in enumerate(zip(stories, paths))))
     policy = save_tiny_llama(tmp / "policy", [*stories, "write a story of five sentences ."])
-    steps = 3
     config = {"algorithm": "ppo", "output_dir": str(tmp / "run"), "model": policy, "data": str(data),
               "setting": "text", "rewards": ["bleu"], "max_steps": steps, "report_to": "none",
               "ppo": {"per_device_train_batch_size": 4, "response_length": 16, "num_ppo_epochs": 1,
                       "save_steps": None, "logging_steps": 1}}
     (tmp / "rl.yaml").write_text(yaml.safe_dump(config))
-    zero2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
-    command = [sys.executable, "-m", "storyrl", "launch", "--config_file", str(zero2), "--num_processes", "1",
+    command = [sys.executable, "-m", "storyrl", "launch", *launch_options,
                "--", "storyrl", "train", "rl", "--config", str(tmp / "rl.yaml")]
     t0 = time.perf_counter()
-    try:
-        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=max(60, ctx.budget.left()),
-                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    except subprocess.TimeoutExpired:
-        raise Skip("time budget: storyrl launch did not finish in the time left") from None
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     seconds = time.perf_counter() - t0
     history = tmp / "run" / "history.jsonl"
     logged = [json.loads(x) for x in history.read_text().splitlines() if x.strip()] if history.is_file() else []
-    if done.returncode != 0:
-        tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"storyrl launch exited {done.returncode}: {tail[-400:]}")
+    tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[-400:]
+    return done.returncode, tail, seconds, logged
+
+
+def part_deepspeed(ctx: Context, section: Section) -> None:
+    need("deepspeed", "pip install deepspeed")
+    ctx.need_cuda("DeepSpeed ZeRO-2")
+    ctx.budget.check(180, "deepspeed")
+    zero2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+    try:
+        status, tail, seconds, logged = launch_rl_steps(
+            ctx.root / "deepspeed", ["--config_file", str(zero2), "--num_processes", "1"],
+            timeout=max(60, ctx.budget.left()))
+    except subprocess.TimeoutExpired:
+        raise Skip("time budget: storyrl launch did not finish in the time left") from None
+    if status != 0:
+        raise RuntimeError(f"storyrl launch exited {status}: {tail}")
     step_s = [h["time/step"] for h in logged if "time/step" in h]
     section.table([{"config": "configs/accelerate/deepspeed_zero2.yaml (--num_processes 1)",
                     "policy": "tiny LLaMA (hidden 32, 2 layers)", "reward": "bleu", "steps logged": len(logged),
