@@ -51,6 +51,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -822,6 +823,19 @@ def _hidden_gpus(hide: bool):
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
+def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mib, estimate) -> dict:
+    """A report row from one of rl_step.py's runners' results: (steps, reward
+    calls[, seconds preparing the rewards])."""
+    s = summarise(algorithm, result[0], result[1], peak_mib)
+    share = s["share"]
+    peak_mib = s.get("peak_cuda_mib")
+    return {"model": model, "algorithm": algorithm.upper(), "step (s)": s["mean_s"]["step"],
+            **{phase: f"{100 * share[phase]:.0f} %" for phase in ("generation", "forward", "reward", "optimisation")},
+            "run (s)": run_s, "rewards prepared (s)": result[2] if len(result) > 2 else None,
+            "peak GiB": None if peak_mib is None else peak_mib / 1024,
+            "README estimate": estimate or "not found in benchmarks/README.md"}
+
+
 def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
     steps, warmup = (1, 0) if ctx.tiny else (2, 1)
     batch, generations = (4, 2) if ctx.tiny else (8, 4)
@@ -876,27 +890,18 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
                      "grpo": {"gradient_checkpointing": gc_on}}
             for algorithm in ("ppo", "grpo"):
                 free_memory()
-                with rl_options(extra):
-                    t1 = time.perf_counter()
-                    run_assets = {**assets, "policy": policy, "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
-                    result = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}", **prepare)
-                    run_s = time.perf_counter() - t1
-                step_rows, calls = result[0], result[1]
-                prepare_s = result[2] if len(result) > 2 else None
-                s = summarise(algorithm, step_rows, calls, peak(ctx.device))
-                m, share = s["mean_s"], s["share"]
-                peak_mib = s.get("peak_cuda_mib")
-                rows.append({"model": label + (" (tiny)" if ctx.tiny else ""), "algorithm": algorithm.upper(),
-                             "step (s)": m["step"], "generation": f"{100 * share['generation']:.0f} %",
-                             "forward": f"{100 * share['forward']:.0f} %", "reward": f"{100 * share['reward']:.0f} %",
-                             "optimisation": f"{100 * share['optimisation']:.0f} %", "run (s)": run_s,
-                             "rewards prepared (s)": prepare_s,
-                             "peak GiB": None if peak_mib is None else peak_mib / 1024,
-                             "README estimate": estimates.get(key, "not found in benchmarks/README.md")})
-            if key == "llava" and not ctx.tiny:
-                import shutil
-
-                shutil.rmtree(tmp / "llava", ignore_errors=True)  # ~15 GB of disk
+                with row(section, f"{label}, {algorithm.upper()}"):  # an OOM in PPO still lets GRPO run
+                    ctx.budget.check(15 if ctx.tiny else 150, f"rl {label} {algorithm}")
+                    with rl_options(extra):
+                        t1 = time.perf_counter()
+                        run_assets = {**assets, "policy": policy,
+                                      "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
+                        result = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}", **prepare)
+                        run_s = time.perf_counter() - t1
+                    rows.append(_rl_row(label + (" (tiny)" if ctx.tiny else ""), algorithm, result, run_s,
+                                        summarise, peak(ctx.device), estimates.get(key)))
+            if not ctx.tiny:
+                shutil.rmtree(Path(policy), ignore_errors=True)  # ~15 GB of disk
     section.table(rows)
     section.note("rewards prepared: the image side of the data set embedded (and the human stories scored) "
                  "before training by RLConfig prepare_rewards, untimed in the steps (— where rl_step.py cannot).")
@@ -1078,6 +1083,7 @@ def main(argv=None) -> int:
                     section.lines.append(f"- FAILED: {type(exc).__name__}: {_one_line(exc)}")
                     traceback.print_exc()
                 free_memory()
+            shutil.rmtree(Path(root) / key, ignore_errors=True)  # 7B models: ~15 GB of disk each
             section.seconds = time.perf_counter() - t0
             print(f"[gpu_suite] {key}: {section.status} in {section.seconds:.1f} s", file=sys.stderr)
             # after every part: a run cut short (a machine's time limit) still leaves what it measured
