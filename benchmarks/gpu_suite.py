@@ -302,16 +302,20 @@ def free_memory() -> None:
 
 @contextmanager
 def row(section: Section, what: str):
-    """Run one row: a Skip or an out-of-memory error becomes a skip line (the
-    part goes on with its other rows); other errors propagate."""
+    """Run one row: a Skip or an out-of-memory error becomes a skip line, any
+    other error a FAILED line that fails the part; either way the part goes on
+    with its other rows (one GPU run should keep every figure it can get)."""
     try:
         yield
     except Skip as exc:
         section.skip(what, str(exc))
-    except Exception as exc:
-        if not _is_oom(exc):
-            raise
-        section.skip(what, f"out of memory: {_one_line(exc)}")
+    except Exception as exc:  # noqa: BLE001  (reported in the section)
+        if _is_oom(exc):
+            section.skip(what, f"out of memory: {_one_line(exc)}")
+        else:
+            section.status = "failed"
+            section.lines.append(f"- FAILED: {what}: {type(exc).__name__}: {_one_line(exc)}")
+            traceback.print_exc()
         free_memory()
 
 
@@ -1071,6 +1075,8 @@ def main(argv=None) -> int:
                 budget.check(estimate, f"estimate of part {key}")
                 (Path(root) / key).mkdir()
                 runner(Context(args.tiny, device, budget, Path(root)), section)
+                if section.status == "ok" and not any(line.startswith("|") for line in section.lines):
+                    section.status = "skipped"  # every row skipped
             except Skip as exc:
                 section.status = "skipped"
                 section.skip(key, str(exc))

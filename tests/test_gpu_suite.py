@@ -207,3 +207,53 @@ def test_cuda_device_refused_without_cuda(tmp_path, capsys):
     assert gpu_suite.main(["--device", "cuda", "--out", str(tmp_path / "r.md")]) == 2
     assert "no CUDA device here" in capsys.readouterr().err
     assert not (tmp_path / "r.md").exists()
+
+
+def test_rows_skip_or_fail_without_stopping_the_part():
+    section = gpu_suite.Section("x", "X")
+    done = []
+    for what, error in [("a", gpu_suite.Skip("no CUDA device (a needs one)")),
+                        ("b", RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")),
+                        ("c", ValueError("bad\nshape"))]:
+        with gpu_suite.row(section, what):
+            raise error
+        done.append(what)
+    with gpu_suite.row(section, "d"):
+        section.table([{"figure": 1.5, "flag": True, "none": None}])
+    assert done == ["a", "b", "c"]
+    assert section.status == "failed"
+    assert section.lines[:3] == ["- skipped: a: no CUDA device (a needs one)",
+                                 "- skipped: b: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB",
+                                 "- FAILED: c: ValueError: bad shape"]
+    assert tables("\n".join(section.lines)) == [[{"figure": "1.5", "flag": "yes", "none": "—"}]]
+
+
+def test_a_failed_part_sets_the_exit_status(tmp_path, monkeypatch):
+    def broken(ctx, section):
+        with gpu_suite.row(section, "first row"):
+            section.table([{"pairs/s": 2.0}])
+        with gpu_suite.row(section, "second row"):
+            raise KeyError("weights")
+
+    def all_skipped(ctx, section):
+        with gpu_suite.row(section, "only row"):
+            ctx.need_cuda("the only row")
+
+    monkeypatch.setitem(gpu_suite.PARTS, "pairs", ("3. pairs", broken, 1, 1))
+    monkeypatch.setitem(gpu_suite.PARTS, "clip", ("2. clip", all_skipped, 1, 1))
+    out = tmp_path / "r.md"
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--parts", "pairs,clip", "--out", str(out)]) == 1
+    text = out.read_text()
+    found = sections(text)
+    assert tables(found["pairs"]) == [[{"pairs/s": "2"}]]
+    assert "- FAILED: second row: KeyError: 'weights'" in found["pairs"]
+    assert "- skipped: only row: no CUDA device (the only row needs one)" in found["clip"]
+    summary = {r["part"]: r["status"] for r in tables(text.split("\n## ", 2)[1])[0]}
+    assert summary == {"clip": "skipped", "pairs": "failed"}
+
+
+def test_budget():
+    budget = gpu_suite.Budget(1.0)
+    budget.check(30, "fits")
+    with pytest.raises(gpu_suite.Skip, match=r"time budget: needs ~2\.0 min, 1\.0 min left of 1 \(too big\)"):
+        budget.check(120, "too big")
