@@ -31,8 +31,11 @@ before it starts. ``--tiny`` shrinks every architecture to a layer or two of
 width 32 and runs what it can on the CPU in about a minute (the tests run it
 so that the suite cannot rot).
 
-Exit status: 0; 1 when a part failed (an error other than a skip); 2 for
-bad options or a report that exists (``--overwrite``).
+A row's error other than a skip is written as a FAILED line and the part
+goes on with its other rows. The report is rewritten after every part.
+
+Exit status: 0; 1 when a part or one of its rows failed (an error other than
+a skip); 2 for bad options or a report that exists (``--overwrite``).
 
 Usage::
 
@@ -1102,7 +1105,7 @@ def main(argv=None) -> int:
 def render(args, device: str, sections: list[Section], budget: Budget, running: bool = False) -> str:
     lines = ["# storyrl GPU validation suite", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
-             f"- command: `python benchmarks/gpu_suite.py {' '.join(args.argv)}`".replace(" `", "`"),
+             f"- command: `{' '.join(['python benchmarks/gpu_suite.py', *args.argv])}`",
              f"- device: {device_line(device)}",
              f"- mode: {'--tiny (shrunk architectures)' if args.tiny else 'full-size architectures'}, random weights",
              f"- python {platform.python_version()}; {_versions()}",

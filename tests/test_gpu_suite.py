@@ -70,7 +70,8 @@ def test_every_part_has_figures_or_a_skip_reason(report):
     summary = {r["part"]: r["status"] for r in tables(report.split("\n## ", 2)[1])[0]}
     assert summary == {"arch": "ok", "generate": "ok", "clip": "ok", "pairs": "ok", "rl": "ok",
                        "deepspeed": "skipped"}
-    assert "- device: CPU only" in report and "--tiny" in report
+    assert "- device: CPU only" in report and "- mode: --tiny" in report
+    assert re.search(r"\n- command: `python benchmarks/gpu_suite.py --tiny --device cpu --threads 1 --out \S+`\n", report)
     assert "INCOMPLETE" not in report  # written after every part; the last write is the whole report
 
 
