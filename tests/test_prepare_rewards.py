@@ -338,3 +338,33 @@ def test_rovist_vg_prepares_its_regions(rovist_vg_dir, glove_path, images, fresh
     got = reward.score(STORIES, images=sequences(images), nouns=nouns)
     assert reward.embedder.stats["regions_embedded"] == 15  # nothing embedded by scoring
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_cosmic_prepares_its_images(tmp_path, tiny_clip, images, fresh):
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from storyrl.models.cosmic import CosmicHead, EncoderSpec, HeadConfig, cosmic_encoders
+
+    bert = tmp_path / "bert"
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=64)).save_pretrained(bert)
+    albert_tokenizer([" ".join([*STORIES, *HUMAN])], vocab_size=64).save_pretrained(bert)
+    spec = EncoderSpec("open_clip", tiny_clip, None, (), str(bert), 32)
+    encoders = cosmic_encoders(spec, "cpu", "fp32")
+    CosmicHead(HeadConfig(encoders.image_dim, encoders.text_dim, encoders=spec)).save_pretrained(tmp_path / "m")
+
+    def make():
+        return create_reward("cosmic", model=str(tmp_path / "m"), device="cpu", precision="fp32")
+
+    ctx = {"images": sequences(images), "reference": ["A dog. A cat. The sky."] * 3}
+    stories = ["The dog ran. A car. The park.", "A cat. The tree. The sky.", "The sea. A beach. We sat."]
+    want = make().score(stories, **ctx)
+    assert np.isfinite(want).all()
+    release_models()
+    reward = make()
+    assert reward.prepare(ctx) == {"sequences": 1, "images": 3, "failed": 0, "embedded": 3}
+    got = reward.score(stories, **ctx)
+    assert reward._scorer().encoders.stats["images_embedded"] == 3  # scoring embedded no image
+    np.testing.assert_allclose(got, want, rtol=1e-5)
