@@ -176,6 +176,7 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
     :mod:`storyrl.eval.pairs`)."""
     import json
     import math
+    from collections import Counter
 
     from storyrl.eval.pairs import open_samples, policy_pairs, sample_stories, samples_path
     from storyrl.output_files import LockedOutput, OutputError
@@ -266,17 +267,26 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
         except (OutputError, ValueError) as exc:
             _fail(str(exc), exit_code=2 if isinstance(exc, ValueError) else 1)
         done = {sid: texts for sid, texts in done.items() if sid in seen}
+        counts = Counter({"sampled_stories": 0, "stories_not_round_tripping": 0})
         try:
             samples = sample_stories(loaded, rows, opts["k"], prepare=_image_loader(config, kind, loaded.processing_class),
                                      store=store, done=done, temperature=opts["temperature"],
-                                     top_p=opts["top_p"], max_new_tokens=opts["max_new_tokens"], seed=opts["seed"])
+                                     top_p=opts["top_p"], max_new_tokens=opts["max_new_tokens"], seed=opts["seed"],
+                                     counts=counts)
         finally:
             store.close()
+        if counts["stories_not_round_tripping"]:
+            click.echo(f"warning: {counts['stories_not_round_tripping']} of {counts['sampled_stories']} sampled "
+                       f"stories ({counts['stories_not_round_tripping'] / counts['sampled_stories']:.1%}) do not "
+                       "re-encode to the tokens the policy sampled (the tokenizer's decoding is lossy): DPO or a "
+                       "reward model trained on these pairs sees other tokens than the policy made", err=True)
         pair_rows, dropped = policy_pairs(rows, samples, reward, source=f"policy {policy}", min_margin=min_margin,
                                           batch_size=batch_size)
         summary = {"out": str(out), "samples": str(sidecar), "policy": policy, "reward": reward.name,
                    "pairs": len(pair_rows), "dropped": dict(dropped),
-                   "sequences": {"sampled": len(rows) - len(done), "reused": len(done)}}
+                   "sequences": {"sampled": len(rows) - len(done), "reused": len(done)},
+                   # of the stories sampled in this run (reused ones keep no token ids)
+                   "stories_not_round_tripping": counts["stories_not_round_tripping"]}
         if not pair_rows:
             _fail(f"no pair kept, nothing written to {out} (dropped: {_json(dict(dropped))}); the samples stay "
                   f"in {sidecar}")

@@ -1,7 +1,10 @@
 """Preference pairs for preference training (``storyrl pairs``), in TRL's
 preference format: one JSON object per line with ``prompt``, ``chosen``,
 ``rejected`` and ``images`` (image paths, possibly empty), plus storyrl's
-``story_id``, ``source``, ``chosen_score``, ``rejected_score`` and ``margin``.
+``story_id``, ``source``, ``chosen_score``, ``rejected_score`` and ``margin``,
+and ``reference`` (the sequence's human story) where there is one: pairs
+sampled from a policy, and story sets whose records carry a ``reference``
+(``storyrl meta-eval pairs`` then scores ``dhm`` against it).
 
 Two routes need no policy sampling:
 
@@ -32,7 +35,11 @@ Two routes need no policy sampling:
   alone from a seed of (``seed``, story id), so its samples do not depend
   on which other sequences are sampled in the same run: a resumed run
   gives the stories of an uninterrupted one. Sampled stories go to a
-  sidecar file (:func:`open_samples`) as they are made.
+  sidecar file (:func:`open_samples`) as they are made. The stories are
+  decoded text; a sampled story whose text does not encode back to the
+  sampled tokens (:func:`round_trips`: some tokenizers' decoding is lossy,
+  e.g. cleaned-up spaces) is counted, since a model later trained on the
+  text sees other tokens than the policy made.
 
 Without a policy the prompt is one text for every pair (``prompt``); the
 images carry the sequence.
@@ -53,7 +60,7 @@ from storyrl.eval.scoring import score_context
 from storyrl.judgements.pairs import PreferencePair
 
 __all__ = ["DEFAULT_PROMPT", "DROP_REASONS", "human_pair_rows", "metric_pairs", "open_samples", "pair_row",
-           "policy_pairs", "sample_stories", "samples_path"]
+           "policy_pairs", "round_trips", "sample_stories", "samples_path"]
 
 DEFAULT_PROMPT = "Write a story about this sequence of images."
 
@@ -67,11 +74,14 @@ DROP_REASONS = (UNSCORABLE, SINGLE, TIE, SMALL)
 
 def pair_row(*, prompt: str | list, chosen: str, rejected: str, images: Sequence[str] = (), story_id: str | None = None,
              source: str = "", chosen_score: float | None = None, rejected_score: float | None = None,
-             margin: float | None = None) -> dict[str, Any]:
-    """One output line (module docstring)."""
-    return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "images": list(images),
-            "story_id": story_id, "source": source, "chosen_score": chosen_score,
-            "rejected_score": rejected_score, "margin": margin}
+             margin: float | None = None, reference: str | None = None) -> dict[str, Any]:
+    """One output line (module docstring); ``reference`` only when there is one."""
+    row = {"prompt": prompt, "chosen": chosen, "rejected": rejected, "images": list(images),
+           "story_id": story_id, "source": source, "chosen_score": chosen_score,
+           "rejected_score": rejected_score, "margin": margin}
+    if reference is not None:
+        row["reference"] = reference
+    return row
 
 
 def human_pair_rows(pairs: Sequence[PreferencePair], prompt: str = DEFAULT_PROMPT,
@@ -138,6 +148,8 @@ def _ranked_pairs(
             dropped[SINGLE] += 1
             continue
         best_name, best, best_score = max(found, key=lambda c: c[2])  # max keeps the first of equal scores
+        # The sequence's human story (any set's record may carry it): meta-eval reads it as d_HM's reference.
+        reference = next((r.reference for _, r, _ in found if isinstance(r.reference, str)), None)
         for name, other, score in found:
             if other is best:
                 continue
@@ -150,7 +162,8 @@ def _ranked_pairs(
                 rows.append(pair_row(prompt=prompt_of(story_id, best), chosen=best.story, rejected=other.story,
                                      images=best.images or (), story_id=story_id,
                                      source=source_of(best_name, name),
-                                     chosen_score=best_score, rejected_score=score, margin=margin))
+                                     chosen_score=best_score, rejected_score=score, margin=margin,
+                                     reference=reference))
     return rows, dropped
 
 
@@ -248,16 +261,48 @@ def _row_seed(seed: int, story_id: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{story_id}".encode()).digest()[:8], "big") >> 1
 
 
+class _KeepIds:
+    """The policy's model, keeping what its last ``generate`` call returned
+    (the sampled token ids, which ``_generate`` decodes and drops)."""
+
+    def __init__(self, model: Any) -> None:
+        self._model, self.output, self.prompt_length = model, None, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def generate(self, **inputs: Any) -> Any:
+        self.output = self._model.generate(**inputs)
+        self.prompt_length = inputs["input_ids"].shape[1]
+        return self.output
+
+
+def round_trips(tokenizer: Any, ids: Sequence[int], text: str) -> bool:
+    """Whether ``text`` (the decoded story) encodes back to the sampled
+    ``ids`` without their special and pad tokens. When it does not, a model
+    trained on the text (DPO, a reward model) sees other tokens than the
+    policy sampled."""
+    special = set(tokenizer.all_special_ids)
+    if tokenizer.pad_token_id is not None:
+        special.add(tokenizer.pad_token_id)
+    sampled = [int(t) for t in ids if int(t) not in special]
+    return list(tokenizer(text, add_special_tokens=False).input_ids) == sampled
+
+
 def sample_stories(policy: Any, rows: Sequence[dict], k: int, *, store: Any = None,
                    done: Mapping[str, list[str]] | None = None, temperature: float = 1.0, top_p: float = 1.0,
                    max_new_tokens: int = 128, seed: int = 0, prepare: Callable[[dict], dict] | None = None,
-                   show_progress: bool = True) -> dict[str, list[str]]:
+                   show_progress: bool = True, counts: Counter | None = None) -> dict[str, list[str]]:
     """k sampled stories per prompt row (:func:`prompt_rows`' rows) of
     ``policy``, ``{story_id: [k stories]}``. Rows in ``done`` are not
     sampled again (their stories are reused); each newly sampled row is
     appended to ``store`` (a LockedOutput) as one line, flushed.
     ``prepare(row)`` gives the row the policy reads (e.g. a VLM's images
-    loaded)."""
+    loaded). ``counts`` (when given) gets ``sampled_stories`` and
+    ``stories_not_round_tripping`` (:func:`round_trips`) added for the
+    newly sampled stories."""
+    import dataclasses
+
     import torch
 
     from storyrl.console import progress
@@ -266,11 +311,18 @@ def sample_stories(policy: Any, rows: Sequence[dict], k: int, *, store: Any = No
     done = dict(done or {})
     todo = [row for row in rows if row["story_id"] not in done]
     out = {row["story_id"]: done[row["story_id"]] for row in rows if row["story_id"] in done}
+    keep = _KeepIds(policy.model)
+    watched = dataclasses.replace(policy, model=keep)
     with progress(total=len(todo), desc="sampling", unit="seq", disable=not show_progress) as bar:
         for row in todo:
             torch.manual_seed(_row_seed(seed, row["story_id"]))
-            samples = _generate(policy, [prepare(row) if prepare else row], max_new_tokens, do_sample=True, temperature=temperature,
-                                top_p=top_p, num_return_sequences=k)
+            samples = _generate(watched, [prepare(row) if prepare else row], max_new_tokens, do_sample=True,
+                                temperature=temperature, top_p=top_p, num_return_sequences=k)
+            if counts is not None:
+                new = keep.output[:, keep.prompt_length:].tolist()
+                counts["sampled_stories"] += len(samples)
+                counts["stories_not_round_tripping"] += sum(
+                    not round_trips(policy.tokenizer, ids, text) for ids, text in zip(new, samples))
             out[row["story_id"]] = samples
             if store is not None:
                 store.write(json.dumps({"story_id": row["story_id"], "samples": samples}, ensure_ascii=False) + "\n")
