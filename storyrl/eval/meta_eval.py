@@ -10,7 +10,9 @@
   story). Any other metric scores stories:
   every distinct (story text, context) is scored ONCE per metric, in
   batches, with the context the data has (``story_id``, ``images``,
-  ``image_ids``, ``references``), and the pair is correct iff the preferred
+  ``image_ids``, ``references``; a pair with exactly one human story, such
+  as a ``storyrl pairs`` row's ``reference``, passes it as ``reference``,
+  which ``dhm`` compares with), and the pair is correct iff the preferred
   story scores strictly higher. A metric whose options have
   ``reference_absent: true`` gets, for each story of a pair, the pair's
   references minus BOTH stories of the pair (VHED Eq. 3 removes r_j when any
@@ -49,8 +51,16 @@ from storyrl.eval.meta_eval_stats import (
 )
 from storyrl.judgements.pairs import ALL, PreferencePair, subset_order
 
-__all__ = ["Metric", "MetaEvalResult", "original_vs_random_table", "pairs_table", "ratings_table",
-           "PAIR_COLUMNS", "RATING_COLUMNS", "OVR_COLUMNS"]
+__all__ = [
+    "OVR_COLUMNS",
+    "PAIR_COLUMNS",
+    "RATING_COLUMNS",
+    "MetaEvalResult",
+    "Metric",
+    "original_vs_random_table",
+    "pairs_table",
+    "ratings_table",
+]
 
 PAIR_COLUMNS = ("subset", "metric", "n", "accuracy")
 RATING_COLUMNS = ("subset", "metric", "aspect", "n", "kendall", "spearman", "pearson", "ci_low", "ci_high")
@@ -166,10 +176,15 @@ def _correct_by_scores(pairs: Sequence[PreferencePair], metric: Metric, batch_si
     sides = []
     for p in pairs:
         refs = _pair_refs(p, metric.reference_absent)
+        # One human story (a `storyrl pairs` row's `reference`) goes as `reference`, the context rewards
+        # comparing with the human story read (dhm); reference-based metrics read either.
+        one = refs[0] if refs is not None and len(refs) == 1 else None
+        many = None if one is not None else refs
         for text in (p.better, p.worse):
-            unit = (text, p.story_id, p.images, p.image_ids, refs)
+            unit = (text, p.story_id, p.images, p.image_ids, one, many)
             sides.append(index.setdefault(unit, len(index)))
-    scores = _score_units(reward, list(index), (*_PAIR_CONTEXT, "references"), batch_size, metric.name, progress)
+    scores = _score_units(reward, list(index), (*_PAIR_CONTEXT, "reference", "references"), batch_size, metric.name,
+                          progress)
     sides = np.asarray(sides).reshape(-1, 2)
     better, worse = scores[sides[:, 0]], scores[sides[:, 1]]
     return pair_correct(better, worse), int((~(np.isfinite(better) & np.isfinite(worse))).sum())
