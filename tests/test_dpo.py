@@ -72,8 +72,10 @@ def hand_ids(tokenizer, prompt: str, story: str, chat: bool) -> tuple[list[int],
         messages = [{"role": "user", "content": prompt}]
         prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
-        ids = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": story}], tokenize=True,
-                                            return_dict=True)["input_ids"]
+        # The tiny template closes no assistant turn, so the story ends with EOS (storyteller.turn_end).
+        ids = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": story + "[EOS]"}],
+                                            tokenize=True, return_dict=True)["input_ids"]
+        assert ids.count(tokenizer.eos_token_id) == 1
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
         ids = tokenizer(prompt + " " + story + tokenizer.eos_token)["input_ids"]

@@ -53,8 +53,10 @@ def hand_labels(tokenizer, story: str, chat: bool) -> tuple[list[int], list[int]
         messages = [{"role": "user", "content": prompt}]
         prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                    return_dict=True)["input_ids"]
-        ids = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": story}], tokenize=True,
-                                            return_dict=True)["input_ids"]
+        # The tiny template closes no assistant turn, so the story ends with EOS (storyteller.turn_end).
+        ids = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": story + "[EOS]"}],
+                                            tokenize=True, return_dict=True)["input_ids"]
+        assert ids.count(tokenizer.eos_token_id) == 1
     else:
         prompt_ids = tokenizer(prompt)["input_ids"]
         ids = tokenizer(prompt + " " + story)["input_ids"] + [tokenizer.eos_token_id]
@@ -367,10 +369,11 @@ def test_vist_sis_rows_are_rl_prompts_and_the_storylets_in_photo_order(assets, t
     rows = list(sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["chat"])))
     assert rows == [
         {"prompt": _chat_prompt(P1.format(n="four")),
-         "completion": [{"role": "assistant", "content": " ".join(TAPM_TEXTS[0:4])}]},
+         "completion": [{"role": "assistant", "content": " ".join(TAPM_TEXTS[0:4]) + "[EOS]"}]},
         {"prompt": _chat_prompt(P1.format(n="three")),
-         "completion": [{"role": "assistant", "content": " ".join([TAPM_TEXTS[2], TAPM_TEXTS[0], TAPM_TEXTS[4]])}]},
-    ]
+         "completion": [{"role": "assistant",
+                         "content": " ".join([TAPM_TEXTS[2], TAPM_TEXTS[0], TAPM_TEXTS[4]]) + "[EOS]"}]},
+    ]  # the tiny chat template closes no turn: EOS ends the story (storyteller.turn_end)
 
 
 def _write_vwp(path: Path, image_root: Path) -> None:
@@ -525,3 +528,23 @@ def test_shipped_config_loads_and_every_key_is_an_option(tmp_path):
             assert {k: getattr(config.lora, k) for k in value} == value
         elif key != "data":
             assert getattr(config, key) == value, key
+
+
+def test_turn_end_appends_eos_only_where_the_template_closes_no_turn(tmp_path):
+    """TRL leaves a conversation's ending to the chat template: a template
+    that closes no assistant turn would teach the policy never to stop."""
+    from tiny_models import CHAT_TEMPLATE, chat_tokenizer
+
+    from storyrl.training.storyteller import story_completion, turn_end
+
+    open_turns = chat_tokenizer(TEXTS)
+    assert turn_end(open_turns) == "[EOS]"
+    closed = chat_tokenizer(TEXTS, chat_template=CHAT_TEMPLATE.replace("\n{% endfor %}",
+                                                                       "{{ eos_token }}\n{% endfor %}"))
+    assert turn_end(closed) == ""
+    broken = chat_tokenizer(TEXTS, chat_template="{{ raise_exception('no') }}")
+    assert turn_end(broken) == ""
+    assert story_completion([{"role": "user", "content": "p"}], " a story. ", "[EOS]") == [
+        {"role": "assistant", "content": "a story.[EOS]"}]
+    assert story_completion("prompt:", "a story.", "[EOS]") == " a story."  # TRL adds EOS to plain text
+    assert story_completion("prompt: ", "a story.") == "a story."

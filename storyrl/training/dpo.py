@@ -39,7 +39,7 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig
+from storyrl.training.storyteller import RunResult, StorytellerConfig, story_completion, turn_end
 
 __all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
            "load_pairs", "train"]
@@ -159,15 +159,6 @@ def load_pairs(path: str | Path) -> list[dict]:
     return rows
 
 
-def _completion(prompt: Any, story: str) -> Any:
-    """The story as a completion of ``prompt``: an assistant turn of a
-    conversation, else the text after a space (as SFT builds it)."""
-    story = story.strip()
-    if isinstance(prompt, list):
-        return [{"role": "assistant", "content": story}]
-    return story if not prompt or prompt[-1].isspace() else " " + story
-
-
 def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
     """TRL preference rows (prompt, chosen, rejected) of ``config.pairs``,
     the prompt as ``config.prompts`` says (module docs); no images column
@@ -181,6 +172,7 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
         raise ValueError(f"{config.pairs}: prompts: pairs: a VLM policy's prompt holds the images; use prompts: "
                          "template")
     prompter = _Prompter(config, kind, processing_class) if config.prompts == "template" else None
+    end = turn_end(processing_class)
     rows = []
     for pair in load_pairs(config.pairs):
         where = f"{config.pairs}:{pair['_line']}"
@@ -191,8 +183,8 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
             prompt = prompter.prompt(len(pair["images"]))
         else:
             prompt = pair["prompt"]
-        row = {"prompt": prompt, "chosen": _completion(prompt, pair["chosen"]),
-               "rejected": _completion(prompt, pair["rejected"])}
+        row = {"prompt": prompt, "chosen": story_completion(prompt, pair["chosen"], end),
+               "rejected": story_completion(prompt, pair["rejected"], end)}
         if kind == "vlm":  # what the policy sees: the sequence image (or each image), as in RL
             try:
                 paths = resolve_images(pair["images"], None, config.image_root)

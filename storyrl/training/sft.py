@@ -33,7 +33,7 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig
+from storyrl.training.storyteller import RunResult, StorytellerConfig, story_completion, turn_end
 
 __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset", "train"]
 
@@ -80,17 +80,13 @@ def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
     # text columns without it (no image is made here), then put it back.
     transform = prompts.format["format_kwargs"].get("transform") if prompts.format["type"] == "custom" else None
     plain = prompts.with_format(None)
+    end = turn_end(processing_class)
 
     def row(example: dict) -> dict:
         story = (example["reference"] or "").strip()
         if not story:
             raise ValueError(f"{config.data}: story {example['story_id']!r} has no human story to train on")
-        prompt = example["prompt"]
-        if isinstance(prompt, str):  # plain text: the story continues the prompt after a space
-            completion = story if not prompt or prompt[-1].isspace() else " " + story
-        else:
-            completion = [{"role": "assistant", "content": story}]
-        return {"prompt": prompt, "completion": completion}
+        return {"prompt": example["prompt"], "completion": story_completion(example["prompt"], story, end)}
 
     keep = {"story_id", "story_images"} if transform is not None else set()
     rows = plain.map(row, remove_columns=[c for c in plain.column_names if c not in keep])

@@ -138,3 +138,36 @@ class RunResult:
     def summary(self) -> dict[str, Any]:
         """The command's JSON line (``storyrl train <name>`` prints it)."""
         return {"output_dir": self.output_dir, "final": self.final_dir, "steps": self.steps}
+
+
+_PROBE = "storyrl-turn-probe"
+
+
+def turn_end(processing_class: Any) -> str:
+    """What a story completion must end with so the policy learns to stop:
+    the tokenizer's EOS when its chat template closes an assistant turn with
+    nothing that holds it (TRL appends EOS to plain-text completions only,
+    and leaves a conversation's ending to the template), else "". A
+    template that cannot render the probe is trusted."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    eos = getattr(tokenizer, "eos_token", None)
+    if not eos:
+        return ""
+    conversation = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = processing_class.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # noqa: BLE001  (any template error: leave the ending to the template)
+        return ""
+    if not isinstance(text, str) or _PROBE not in text:
+        return ""
+    return "" if eos in text.rsplit(_PROBE, 1)[1] else eos
+
+
+def story_completion(prompt: Any, story: str, end: str = "") -> Any:
+    """``story`` as the completion of ``prompt`` (TRL's prompt/completion
+    format): an assistant turn of a conversation, ``end``
+    (:func:`turn_end`) appended, else the text after a space."""
+    story = story.strip()
+    if isinstance(prompt, list):
+        return [{"role": "assistant", "content": story + end}]
+    return story if not prompt or prompt[-1].isspace() else " " + story
