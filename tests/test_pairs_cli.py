@@ -579,3 +579,282 @@ def test_vlm_policy_rows_carry_the_conversation_and_the_image_paths(policy_asset
         assert row["prompt"] == [{"role": "user", "content": [{"type": "image"},
                                                               {"type": "text", "text": P3.format(n=n)}]}]
         assert row["images"] == record["images"]
+
+
+# -- the review's breaks (defaults, resume digest, LoRA, TAPM, device, overwrite) and the reference / round trip --
+
+
+def summary_of(result) -> dict:
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def one_error(result) -> str:
+    error = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(error) == 1, result.output
+    return error[0]
+
+
+def test_k_defaults_to_4(policy_assets, tmp_path, generate_calls):
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args(policy_assets, out))
+    assert result.exit_code == 0, result.output
+    assert generate_calls == [4, 4, 4]
+    header, *samples = sidecar(out)
+    assert header["options"]["k"] == 4 and [len(s["samples"]) for s in samples] == [4, 4, 4]
+
+
+def test_duplicate_story_ids_from_the_data_are_one_line_errors(policy_assets, tmp_path, monkeypatch):
+    """The CLI's own check (the loaders' check may not cover every format)."""
+    from storyrl.training.rl import data as rl_data
+
+    load = rl_data.load_data
+
+    def twice(config):
+        records = load(config)
+        return [*records, records[0]]
+
+    monkeypatch.setattr(rl_data, "load_data", twice)
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args(policy_assets, out))
+    assert result.exit_code == 1 and "'s0' appears twice" in one_error(result), result.output
+    assert not out.exists() and not (tmp_path / "p.samples.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(policy_assets, tmp_path_factory):
+    """LoRA adapters (peft) on the tiny chat LLaMA, with its tokenizer."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("adapter")
+    base = AutoModelForCausalLM.from_pretrained(policy_assets["chat"])
+    peft = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(policy_assets["chat"]).save_pretrained(directory)
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == policy_assets["chat"]
+    return directory
+
+
+def test_lora_adapters_load_on_their_base(policy_assets, adapter_dir, tmp_path, generate_calls):
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args({**policy_assets, "chat": str(adapter_dir)}, out, "chat", "-k", 2))
+    assert result.exit_code == 0, result.output
+    assert generate_calls == [2, 2, 2]
+    header, *samples = sidecar(out)
+    assert header["options"]["policy"] == str(adapter_dir.resolve())
+    # The adapters (non-zero LoRA weights) change the base's stories: they are applied, not skipped.
+    base_out = tmp_path / "base.jsonl"
+    assert run(*policy_args(policy_assets, base_out, "chat", "-k", 2)).exit_code == 0
+    assert [s["samples"] for s in samples] != [s["samples"] for s in sidecar(base_out)[1:]]
+
+    nameless = tmp_path / "nameless"
+    nameless.mkdir()
+    for f in adapter_dir.iterdir():
+        (nameless / f.name).write_bytes(f.read_bytes())
+    config = json.loads((nameless / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = None
+    (nameless / "adapter_config.json").write_text(json.dumps(config))
+    out2 = tmp_path / "p2.jsonl"
+    result = run(*policy_args({**policy_assets, "chat": str(nameless)}, out2))
+    assert result.exit_code != 0
+    assert "names no base model" in one_error(result) and len(result.output.strip().splitlines()) == 1
+    assert not out2.exists()
+
+
+def test_resume_ignores_sequences_no_longer_in_the_data(policy_assets, tmp_path, generate_calls):
+    data = write_jsonl(tmp_path / "data.jsonl", policy_assets["records"])
+    assets = {**policy_assets, "data": str(data)}
+    out = tmp_path / "p.jsonl"
+    assert run(*policy_args(assets, out, "chat", "-k", 3)).exit_code == 0
+    write_jsonl(data, policy_assets["records"][:2])  # s2 removed from the data
+    generate_calls.clear()
+    result = run(*policy_args(assets, out, "chat", "-k", 3, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert generate_calls == [] and summary_of(result)["sequences"] == {"sampled": 0, "reused": 2}
+    assert {r["story_id"] for r in lines(out)} <= {"s0", "s1"}
+
+
+def test_a_tapm_policy_is_refused(policy_assets, tmp_path):
+    from storyrl.generators import TAPM_MODEL_TYPE
+
+    tapm = tmp_path / "tapm"
+    tapm.mkdir()
+    (tapm / "config.json").write_text(json.dumps({"model_type": TAPM_MODEL_TYPE}))
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args({**policy_assets, "chat": str(tapm)}, out))
+    assert result.exit_code == 1 and "TAPM policy" in one_error(result), result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists() and not (tmp_path / "p.samples.jsonl").exists()
+
+
+@pytest.mark.parametrize("named, extra", [
+    ("setting", ["--setting", "text"]),
+    ("prompt_name", ["--prompt-name", "P1"]),
+    ("prompts_file", ["--prompts-file", "{prompts_copy}"]),
+    ("image_root", ["--image-root", "{root}"]),
+    ("max_new_tokens", ["--max-new-tokens", "5"]),
+    ("top_p", ["--top-p", "0.9"]),
+    ("k", ["-k", "3"]),
+    ("seed", ["--seed", "1"]),
+    ("temperature", ["--temperature", "0.5"]),
+    ("policy", ["--policy", "{plain}"]),
+    ("data", ["--data", "{data_copy}"]),
+])
+def test_resume_refuses_every_other_sampling_option(policy_assets, tmp_path, generate_calls, named, extra):
+    prompts_copy = tmp_path / "prompts.yaml"
+    prompts_copy.write_text((Path(__file__).resolve().parents[1] / "configs/prompts/dhm.yaml").read_text())
+    data_copy = tmp_path / "data_copy.jsonl"
+    data_copy.write_text(Path(policy_assets["data"]).read_text())
+    out = tmp_path / "p.jsonl"
+    assert run(*policy_args(policy_assets, out, "chat", "-k", 2)).exit_code == 0
+    before = out.read_text(), out.with_name("p.samples.jsonl").read_text()
+    generate_calls.clear()
+    values = {"prompts_copy": prompts_copy, "root": tmp_path, "plain": policy_assets["plain"], "data_copy": data_copy}
+    args = [*policy_args(policy_assets, out, "chat", "-k", 2), "--resume"]
+    # Later options win (click keeps the last value of a repeated option).
+    args += [x.format(**values) for x in extra]
+    result = run(*args)
+    assert result.exit_code == 2, result.output
+    error = one_error(result)
+    assert "other options" in error and named in error.split("other options", 1)[1], error
+    assert generate_calls == [] and (out.read_text(), out.with_name("p.samples.jsonl").read_text()) == before
+
+
+@pytest.mark.parametrize("option", ["--image-ids", "--noun-phrases"])
+def test_context_files_with_a_policy_are_one_line_errors(policy_assets, tmp_path, option):
+    table = tmp_path / "table.json"
+    table.write_text("{}")
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args(policy_assets, out), option, table)
+    assert result.exit_code == 2 and "with --policy the sequences come from --data" in one_error(result)
+    assert not out.exists() and not (tmp_path / "p.samples.jsonl").exists()
+
+
+def test_device_moves_the_policy(policy_assets, tmp_path, monkeypatch):
+    import torch
+    from transformers import PreTrainedModel
+
+    from storyrl.models import runtime
+
+    asked, moved = [], []
+    device = torch.device("cpu")
+    resolve = runtime.resolve_device
+
+    def resolve_device(value=None, *args, **kwargs):
+        asked.append(value)
+        return device if value == "cpu" else resolve(value, *args, **kwargs)
+
+    to = PreTrainedModel.to
+
+    def spy(self, *args, **kwargs):
+        moved.append(args[0] if args else kwargs.get("device"))
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "resolve_device", resolve_device)
+    monkeypatch.setattr(PreTrainedModel, "to", spy)
+    out = tmp_path / "p.jsonl"
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 2), "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert "cpu" in asked and any(m is device for m in moved), (asked, moved)
+
+
+def test_overwrite_and_a_finished_resume_replace_out(policy_assets, tmp_path):
+    out = tmp_path / "p.jsonl"
+    old = "".join(json.dumps({"old": i}) + "\n" for i in range(40))
+    out.write_text(old)
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 3, "--overwrite"))
+    assert result.exit_code == 0, result.output
+    rows = lines(out)
+    assert len(rows) == summary_of(result)["pairs"] and all("old" not in r for r in rows)
+    out.write_text(old)  # the samples file is complete: --resume re-ranks and replaces OUT
+    result = run(*policy_args(policy_assets, out, "chat", "-k", 3, "--resume"))
+    assert result.exit_code == 0, result.output
+    assert lines(out) == rows and len(rows) == summary_of(result)["pairs"]
+
+
+def test_open_samples_refuses_a_non_empty_file_without_overwrite(tmp_path):
+    from storyrl.eval.pairs import open_samples
+    from storyrl.output_files import OutputExistsError
+
+    path = tmp_path / "p.samples.jsonl"
+    path.write_text("old\n")
+    with pytest.raises(OutputExistsError):
+        open_samples(path, {"k": 2}, resume=False, overwrite=False)
+    assert path.read_text() == "old\n"
+    store, done = open_samples(path, {"k": 2}, resume=False, overwrite=True)
+    store.close()
+    assert done == {} and json.loads(path.read_text())["options"] == {"k": 2}
+
+
+def test_pair_rows_carry_the_human_story(policy_assets, tmp_path, story_sets):
+    out = tmp_path / "p.jsonl"
+    assert run(*policy_args(policy_assets, out, "chat", "-k", 3)).exit_code == 0
+    human = {r["story_id"]: r.get("reference", r["story"]) for r in policy_assets["records"]}
+    rows = lines(out)
+    assert rows and all(r["reference"] == human[r["story_id"]] for r in rows)
+    # story sets: the records' reference (from any set) when they have one, else no key
+    a, b, c = story_sets
+    a2 = write_jsonl(tmp_path / "a2.jsonl", [{**r, "reference": f"human {r['story_id']}"} for r in lines(a)])
+    out2 = tmp_path / "s.jsonl"
+    assert run("pairs", c, a2, b, "-m", "repetition", "-o", out2).exit_code == 0
+    assert [r["reference"] for r in lines(out2)] == ["human r1", "human r1", "human r2"]
+    out3 = tmp_path / "s3.jsonl"
+    assert run("pairs", a, b, c, "-m", "repetition", "-o", out3).exit_code == 0
+    assert all("reference" not in r for r in lines(out3))
+
+
+def test_round_trips_by_hand(policy_assets):
+    from transformers import AutoTokenizer
+
+    from storyrl.eval.pairs import round_trips
+
+    tok = AutoTokenizer.from_pretrained(policy_assets["chat"])
+    ids = tok("a dog ran", add_special_tokens=False).input_ids
+    assert len(ids) == 3
+    assert round_trips(tok, [*ids, tok.eos_token_id, tok.pad_token_id], "a dog ran")  # specials and pads left out
+    assert not round_trips(tok, ids, "a dog")
+    assert not round_trips(tok, ids[::-1], "a dog ran")
+
+
+@register_reward()
+class _Chars(Reward):
+    """Test reward: the story's length in characters (any text scores)."""
+
+    name = "test_pairs_chars"
+
+    def _score_batch(self, stories, **context):
+        return np.array([float(len(s)) for s in stories])
+
+
+def test_stories_that_do_not_re_encode_are_counted(policy_assets, tmp_path):
+    """The tiny tokenizer re-encodes its decoded text (count 0); with a
+    decoder that glues words together it does not (every story of 2+
+    words, words then read as one unknown token)."""
+    from tokenizers import decoders
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "p.jsonl"
+    args = ["pairs", "--data", policy_assets["data"], "-m", "test_pairs_chars", "--max-new-tokens", 6, "-k", 3]
+    result = run(*args, "--policy", policy_assets["chat"], "-o", out)
+    assert result.exit_code == 0, result.output
+    assert summary_of(result)["stories_not_round_tripping"] == 0 and "warning" not in result.output
+
+    glued = tmp_path / "glued"
+    tok = AutoTokenizer.from_pretrained(policy_assets["chat"])
+    tok.backend_tokenizer.decoder = decoders.Fuse()
+    tok.save_pretrained(glued)
+    AutoModelForCausalLM.from_pretrained(policy_assets["chat"]).save_pretrained(glued)
+    out2 = tmp_path / "g.jsonl"
+    result = run(*args, "--policy", glued, "-o", out2)
+    assert result.exit_code == 0, result.output
+    # The same weights, prompt ids and seeds sample the same token ids: the spaced texts (which round-trip,
+    # count 0 above) are their re-encoding; a glued text not encoding like its spaced one does not round-trip.
+    spaced = [t for s in sidecar(out)[1:] for t in s["samples"]]
+    texts = [t for s in sidecar(out2)[1:] for t in s["samples"]]
+    assert [t.replace(" ", "") for t in spaced] == texts
+    want = sum(tok(g, add_special_tokens=False).input_ids != tok(t, add_special_tokens=False).input_ids
+               for g, t in zip(texts, spaced))
+    assert want > 0 and summary_of(result)["stories_not_round_tripping"] == want
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning")]
+    assert len(warnings) == 1 and f"{want} of 9 sampled stories" in warnings[0], result.output
