@@ -361,3 +361,248 @@ def test_meta_eval_pairs_command_scores_storyrl_pairs(tmp_path):
                                        "-q"])
     assert result.exit_code == 0, result.output
     assert "repetition" in out.read_text()
+
+
+# -- the break review's cases ------------------------------------------------------------------
+
+
+def test_whitespace_stories_non_string_ids_and_empty_files_are_refused(tmp_path):
+    from storyrl.training.reward_model import read_pairs
+
+    blank = write_pairs(tmp_path / "blank.jsonl", [pair(0, "a cat"), {**pair(1, "the dog"), "chosen": " \n\t "}])
+    with pytest.raises(ValueError, match=r"blank.jsonl: line 2: 'chosen' must be a non-empty string"):
+        read_pairs(blank)
+    blank = write_pairs(tmp_path / "blank2.jsonl", [{**pair(0, "a cat"), "rejected": "   "}])
+    with pytest.raises(ValueError, match=r"blank2.jsonl: line 1: 'rejected' must be a non-empty string"):
+        read_pairs(blank)
+    number = write_pairs(tmp_path / "number.jsonl", [pair(0, "a cat"), {**pair(1, "the dog"), "story_id": 7}])
+    with pytest.raises(ValueError, match=r"number.jsonl: line 2: 'story_id' must be a string"):
+        read_pairs(number)
+    for name, text in (("empty.jsonl", ""), ("spaces.jsonl", "\n  \n\t\n")):
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"pairs .*{name}: no pairs$"):
+            read_pairs(tmp_path / name)
+
+
+def test_include_prompt_with_rows_without_a_prompt_is_refused(assets, tmp_path):
+    from storyrl.training.reward_model import build_trainer
+
+    rows = [{k: v for k, v in pair(k, s).items() if k != "prompt"} for k, s in enumerate(SUBJECTS[:3])]
+    path = write_pairs(tmp_path / "noprompt.jsonl", rows)
+    with pytest.raises(ValueError, match="include_prompt needs one prompt text.*found 1 \\(None\\).*"
+                                         "include_prompt: false"):
+        build_trainer(config_of(assets, tmp_path / "o", pairs=path), progress=False)
+    trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "o", pairs=path, include_prompt=False),
+                                       progress=False)
+    assert prompt is None and len(trainer.train_dataset) == 3
+
+
+def _groups(n: int) -> list[dict]:
+    # two pairs per group
+    return [{"story_id": f"g{k // 2}", "chosen": "a", "rejected": "b", "_line": k + 1} for k in range(2 * n)]
+
+
+@pytest.mark.parametrize(("fraction", "groups", "held"), [
+    (0.9, 2, 1),    # round(1.8) = 2 would hold out every group: one stays in training
+    (0.9, 3, 2),    # round(2.7) = 3 -> 2
+    (0.3, 6, 2),    # round(1.8) = 2, not int(1.8) = 1
+    (0.25, 6, 2),   # round(1.5) = 2 (half to even)
+    (0.01, 10, 1),  # round(0.1) = 0 -> at least one
+    (0.1, 10, 1),
+    (0.5, 1, 0),    # a single group is never held out
+])
+def test_split_holds_out_round_fraction_times_groups_keeping_one_for_training(fraction, groups, held):
+    from storyrl.training.reward_model import split_pairs
+
+    rows = _groups(groups)
+    for seed in range(3):
+        train, out = split_pairs(rows, fraction, seed)
+        assert len({r["story_id"] for r in out}) == held and len(out) == 2 * held
+        assert len(train) == len(rows) - len(out) and train  # every row in one side, training never empty
+
+
+def test_epochs_sets_the_steps_and_save_steps_the_checkpoints(assets, tmp_path):
+    from storyrl.training.reward_model import train
+
+    # 8 pairs, 4 a step: 2 steps an epoch
+    result = train(config_of(assets, tmp_path / "e", max_steps=None, epochs=2.0, batch_size=4, save_steps=3),
+                   progress=False)
+    assert result.steps == 4
+    assert sorted(p.name for p in Path(tmp_path / "e").glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    result = train(config_of(assets, tmp_path / "h", max_steps=None, epochs=0.5, batch_size=4, save_steps=1),
+                   progress=False)
+    assert result.steps == 1
+    result = train(config_of(assets, tmp_path / "s", max_steps=5, batch_size=4, save_steps=2), progress=False)
+    assert sorted(p.name for p in Path(tmp_path / "s").glob("checkpoint-*")) == [
+        "checkpoint-2", "checkpoint-4", "checkpoint-5"]
+
+
+def test_a_backbone_without_a_pad_token_id_trains_in_batches(assets, tmp_path):
+    from transformers import AutoConfig
+
+    from storyrl.training.reward_model import train
+
+    backbone = tmp_path / "nopad"
+    save_tiny_llama(backbone, TEXTS, chat=False)
+    config = AutoConfig.from_pretrained(backbone)
+    config.pad_token_id = None
+    config.save_pretrained(backbone)
+    assert AutoConfig.from_pretrained(backbone).pad_token_id is None
+    result = train(config_of(assets, tmp_path / "out", model=str(backbone), batch_size=4, max_steps=2),
+                   progress=False)
+    assert result.steps == 2 and all(math.isfinite(e["loss"]) for e in result.history if "loss" in e)
+    assert AutoConfig.from_pretrained(result.final_dir).pad_token_id is not None
+
+
+def test_without_progress_nothing_is_printed(assets, tmp_path, capfd):
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.training.reward_model import train
+
+    train(config_of(assets, tmp_path / "out", max_steps=2, logging_steps=1), progress=False)
+    assert capfd.readouterr().out == ""
+    config = tmp_path / "rm.yaml"
+    config.write_text(yaml.safe_dump(options(assets, tmp_path / "cli", max_steps=2, logging_steps=1)),
+                      encoding="utf-8")
+    result = CliRunner().invoke(main, ["train", "reward_model", "--config", str(config), "--quiet"])
+    assert result.exit_code == 0, result.output
+    (line,) = result.stdout.splitlines()
+    assert json.loads(line)["steps"] == 2
+
+
+def test_pair_accuracy_counts_ties_as_wrong(assets, tmp_path):
+    import torch
+
+    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs
+
+    model, tokenizer = load_backbone(config_of(assets, tmp_path / "o"))
+    with torch.no_grad():
+        model.score.weight.zero_()  # every text scores 0: no pair is ordered
+    rows = read_pairs(assets["pairs"])
+    assert pair_accuracy(model, tokenizer, rows, PROMPT, 64) == 0.0
+    assert pair_accuracy(model, tokenizer, [], PROMPT, 64) is None
+
+
+def test_heldout_file_holds_the_input_rows_and_history_the_logs_then_the_accuracy(trained, assets):
+    out = Path(trained.output_dir)
+    held = [json.loads(x) for x in (out / "heldout_pairs.jsonl").read_text().splitlines()]
+    assert len(held) == 2 and all(row in assets["rows"] for row in held)  # as read: no "_line"
+    lines = [json.loads(x) for x in (out / "history.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines if "loss" in e] == [5, 10, 15, 20, 25]
+    assert lines[:-1] == trained.history[:-1]  # the trainer's log, then the held-out line
+    assert lines[-1] == {"heldout_pairs": 2, "heldout_accuracy": 1.0, "step": 25}
+
+
+def test_resume_starts_at_the_checkpoint(assets, tmp_path, monkeypatch):
+    import shutil
+
+    from transformers import TrainerCallback
+
+    from storyrl.training import reward_model
+
+    options_ = {"max_steps": 4, "batch_size": 4, "save_steps": 2}
+    reward_model.train(config_of(assets, tmp_path / "cut", **options_), progress=False)
+    for path in ("final", "checkpoint-4"):
+        shutil.rmtree(tmp_path / "cut" / path)
+    seen = {"begin": [], "steps": []}
+
+    class Spy(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            seen["begin"].append(state.global_step)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seen["steps"].append(state.global_step)
+
+    build = reward_model.build_trainer
+    monkeypatch.setattr(reward_model, "build_trainer", lambda config, progress: build(config, progress, [Spy()]))
+    result = reward_model.train(config_of(assets, tmp_path / "cut", **options_), resume=True, progress=False)
+    assert seen == {"begin": [2], "steps": [3, 4]} and result.steps == 4
+
+
+# -- the reward: text, EOS, metadata, padding ---------------------------------------------------
+
+
+def test_scored_text_and_encode_add_no_second_separator_or_eos(assets):
+    from transformers import AutoTokenizer
+
+    from storyrl.rewards.reward_model import encode, scored_text
+
+    assert scored_text("b", "a\n") == "a\nb"
+    assert scored_text("b", "a") == "a b"
+    assert scored_text("b", "") == "b"
+    assert scored_text("b", None) == "b"
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    eos = tokenizer.eos_token_id
+    once = encode(tokenizer, "we went home .", 64)
+    assert once[-1] == eos and once[-2] != eos
+    assert encode(tokenizer, "we went home ." + tokenizer.eos_token, 64) == once
+
+
+@pytest.mark.parametrize("max_length", ["64", True, 0, 64.0, None])
+def test_metadata_with_a_bad_max_length_is_refused_at_setup(trained, tmp_path, max_length):
+    import shutil
+
+    from storyrl.rewards import create_reward
+    from storyrl.rewards.base import RewardError
+
+    final = tmp_path / "final"
+    shutil.copytree(trained.final_dir, final)
+    metadata = json.loads((final / "storyrl_reward_model.json").read_text())
+    (final / "storyrl_reward_model.json").write_text(json.dumps({**metadata, "max_length": max_length}))
+    with pytest.raises(RewardError, match="storyrl_reward_model.json: expected max_length") as info:
+        create_reward("reward_model", model=str(final), device="cpu").setup()
+    assert "\n" not in str(info.value)
+
+
+LONG = ("a long day at the park with the dog . the kids went home . the bird was good and happy . "
+        "our team was bad and sad . my mom was good and happy . we went home .")
+
+
+def test_batched_scores_equal_one_by_one_with_an_encoder_and_different_lengths(tmp_path):
+    import torch
+    from tiny_models import bert_config, bert_wordpiece_tokenizer
+    from transformers import BertForSequenceClassification
+
+    from storyrl.rewards import create_reward
+
+    final = tmp_path / "bert"
+    tokenizer = bert_wordpiece_tokenizer([*TEXTS, LONG], tmp_path / "vocab")
+    torch.manual_seed(0)
+    # wide initial weights: random stories score far apart, so a padding fault shows
+    model = BertForSequenceClassification(bert_config(len(tokenizer), num_labels=1, initializer_range=0.5)).eval()
+    model.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    (final / "storyrl_reward_model.json").write_text(json.dumps({"max_length": 100, "prompt": None,
+                                                                 "include_prompt": False}))
+    stories = ["we went home .", LONG, "the dog was good and happy .", "home ."]
+    assert len(tokenizer(LONG)["input_ids"]) > 4 * len(tokenizer("we went home .")["input_ids"])
+    reward = create_reward("reward_model", model=str(final), device="cpu", batch_size=4)
+    batch = reward.score(stories)
+    want = [logit(model, tokenizer(s)["input_ids"]) for s in stories]  # no padding at all
+    np.testing.assert_allclose(batch, want, atol=1e-5)
+    np.testing.assert_allclose(batch, [reward.score([s])[0] for s in stories], atol=1e-5)
+    assert np.diff(np.sort(batch)).min() > 1e-2  # the model tells the stories apart
+
+
+def test_batched_scores_equal_one_by_one_with_the_causal_lm_and_different_lengths(trained):
+    from storyrl.rewards import create_reward
+
+    stories = ["home .", LONG, "we went home .", LONG + " " + LONG]
+    reward = create_reward("reward_model", model=trained.final_dir, device="cpu", batch_size=4)
+    np.testing.assert_allclose(reward.score(stories), [reward.score([s])[0] for s in stories], atol=1e-5)
+
+
+def test_a_rejected_row_with_better_worse_is_the_both_formats_error(tmp_path):
+    from storyrl.judgements import JudgementDataError
+    from storyrl.judgements.pairs import load_pairs_jsonl
+
+    path = write_pairs(tmp_path / "p.jsonl", [{"rejected": "x", "better": "a", "worse": "b"}])
+    with pytest.raises(JudgementDataError, match="line 1: give 'better'/'worse' or 'chosen'/'rejected', not both"):
+        load_pairs_jsonl(path)
+    path = write_pairs(tmp_path / "q.jsonl", [{"rejected": "x", "worse": "b"}])
+    with pytest.raises(JudgementDataError, match="line 1: give 'better'/'worse' or 'chosen'/'rejected', not both"):
+        load_pairs_jsonl(path)
+    path = write_pairs(tmp_path / "r.jsonl", [{"rejected": "x"}])
+    with pytest.raises(JudgementDataError, match="line 1: missing field 'chosen'"):
+        load_pairs_jsonl(path)

@@ -63,9 +63,11 @@ def read_metadata(directory: str | Path) -> dict[str, Any]:
                          "storyrl train reward_model run") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"{path}: unreadable ({exc}); re-save the model with storyrl train reward_model") from None
-    if not isinstance(data, dict) or not isinstance(data.get("max_length"), int) or not (
+    limit = data.get("max_length") if isinstance(data, dict) else None
+    # bool is an int to Python: max_length true would silently cut every story to 1 token
+    if not isinstance(data, dict) or type(limit) is not int or limit < 1 or not (
             data.get("prompt") is None or isinstance(data.get("prompt"), str)):
-        raise ValueError(f"{path}: expected max_length (int) and prompt (string or null)")
+        raise ValueError(f"{path}: expected max_length (an integer >= 1) and prompt (string or null)")
     return data
 
 
