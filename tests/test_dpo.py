@@ -238,10 +238,28 @@ def test_monitoring_logs_each_reward_at_the_sample_steps(assets, tmp_path, monke
     assert [list(map(str, x)) for x in stand_in.contexts[0]["images"]] == [assets["images"]] * 2
 
 
-def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
+def test_samples_off_the_logging_steps_log_at_their_own_step(assets, tmp_path, monkeypatch):
+    """sample_steps 2, logging_steps 3: the samples of steps 2 and 4 get
+    entries of their own (the monitor asks for a log), step 6 shares the
+    regular one."""
+    from storyrl.training.dpo import DPORunConfig, train
+
+    stand_in = _WordCount()
+    monkeypatch.setattr(DPORunConfig, "build_rewards", lambda self: [stand_in.reward])
+    result = train(config(assets, tmp_path / "out", max_steps=6, logging_steps=3, sample_steps=2,
+                          rewards=["repetition"], sample_prompts=1, sample_max_new_tokens=3), progress=False)
+    history = [json.loads(line) for line in (Path(result.output_dir) / "history.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in history if "rewards/words/mean" in e] == [2, 4, 6]
+    samples = [json.loads(line) for line in (Path(result.output_dir) / "samples.jsonl").read_text().splitlines()]
+    means = {e["step"]: e["rewards/words/mean"] for e in history if "rewards/words/mean" in e}
+    assert means == {s["step"]: s["samples"][0]["rewards"]["words"] for s in samples}
+
+
+def test_resume_equals_an_uninterrupted_run(assets, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
 
+    from storyrl.training import dpo
     from storyrl.training.dpo import build_trainer, train
 
     common = {"max_steps": 4, "save_steps": 2, "batch_size": 1, "sample_steps": 1, "sample_max_new_tokens": 4}
@@ -254,8 +272,22 @@ def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
 
     build_trainer(config(assets, tmp_path / "cut", **common), progress=False, callbacks=[StopAt2()]).train()
     assert (tmp_path / "cut" / "checkpoint-2").is_dir() and not (tmp_path / "cut" / "final").exists()
+
+    class Count(TrainerCallback):
+        def __init__(self):
+            self.start, self.steps = None, []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = state.global_step
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    count = Count()
+    monkeypatch.setattr(dpo, "build_trainer", lambda c, p=True, callbacks=None: build_trainer(c, p, [count]))
     resumed = train(config(assets, tmp_path / "cut", **common), resume=True, progress=False)
     assert resumed.steps == 4
+    assert (count.start, count.steps) == (2, [3, 4])  # it went on from checkpoint-2, not from the start
     a = AutoModelForCausalLM.from_pretrained(whole.final_dir).state_dict()
     b = AutoModelForCausalLM.from_pretrained(resumed.final_dir).state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
@@ -307,6 +339,10 @@ def test_cli_final_is_an_rl_policy_and_the_directory_is_guarded(assets, tmp_path
     ({"pairs": "/nonexistent/pairs.jsonl"}, "pairs: no such file"),
     ({"policy": "tapm"}, "TAPM reads visual features"),
     ({"report_to": "nope"}, "unknown tracker 'nope'"),
+    # StorytellerConfig's checks hold for DPO too.
+    ({"data": "/nonexistent/data.jsonl"}, "data: no such file"),
+    ({"load_in_4bit": True}, "load_in_4bit: a 4-bit base trains through LoRA adapters only"),
+    ({"policy": "causal_lm", "setting": "visual"}, "setting visual: a causal_lm policy sees no images"),
 ])
 def test_config_errors_are_one_line(assets, tmp_path, extra, message):
     with pytest.raises((TypeError, ValueError), match=message) as info:
@@ -317,6 +353,9 @@ def test_config_errors_are_one_line(assets, tmp_path, extra, message):
 @pytest.mark.parametrize("lines, message", [
     (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}', "{oops"], r"pairs\.jsonl:2: not JSON"),
     (['{"prompt": "p", "chosen": "", "rejected": "b ."}'], r"pairs\.jsonl:1: 'chosen' must be"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}', '{"prompt": "p", "chosen": " \\t ", "rejected": "b ."}'],
+     r"pairs\.jsonl:2: 'chosen' must be"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "\\n  "}'], r"pairs\.jsonl:1: 'rejected' must be"),
     (['["p", "a", "b"]'], r"pairs\.jsonl:1: expected a JSON object"),
     (['{"prompt": "p", "chosen": "a .", "rejected": "b .", "images": "x.png"}'], r":1: 'images' must be"),
     (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}'], r":1: no images, so no template prompt"),

@@ -548,3 +548,54 @@ def test_turn_end_appends_eos_only_where_the_template_closes_no_turn(tmp_path):
         {"role": "assistant", "content": "a story.[EOS]"}]
     assert story_completion("prompt:", "a story.", "[EOS]") == " a story."  # TRL adds EOS to plain text
     assert story_completion("prompt: ", "a story.") == "a story."
+
+
+# -- review breaks: what a test must catch ------------------------------------------------
+
+
+@pytest.mark.parametrize("setting", ["visual", "separate"])
+def test_a_tapm_policy_with_an_image_setting_is_refused(assets, tmp_path, setting):
+    from storyrl.training.sft import SFTRunConfig
+
+    with pytest.raises(ValueError, match=rf"setting {setting}: a tapm policy sees no images") as info:
+        SFTRunConfig.from_mapping(options(assets, tmp_path, policy="tapm", setting=setting))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("story", ["", "  \n "])
+def test_a_record_without_a_human_story_is_a_one_line_error(assets, tmp_path, story):
+    from transformers import AutoTokenizer
+
+    from storyrl.training.sft import SFTRunConfig, sft_dataset
+
+    data = tmp_path / "data.jsonl"
+    rows = [json.loads(line) for line in Path(assets["data"]).read_text().splitlines()]
+    rows[1]["story"] = story  # and no reference: nothing to learn
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", data=str(data)))
+    with pytest.raises(ValueError, match=r"story 's1' has no human story to train on") as info:
+        sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["chat"]))
+    assert "\n" not in str(info.value) and str(data) in str(info.value)
+
+
+@pytest.mark.parametrize("model", ["chat", "plain"])
+def test_a_text_batch_pads_on_the_right(assets, tmp_path, model):
+    """Stories of different lengths: each row is its prompt and story from the
+    first token, padding (labels -100, attention 0) after it."""
+    from storyrl.training.sft import SFTRunConfig, build_trainer
+
+    trainer = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path, model)), progress=False)
+    # TRL 1.16's collator pads completions on the right whatever the tokenizer
+    # says; the tokenizer is set to right too, for anything that follows it.
+    assert trainer.processing_class.padding_side == "right"
+    batch = trainer.data_collator([trainer.train_dataset[k] for k in range(2)])
+    pad = trainer.processing_class.pad_token_id
+    lengths = []
+    for k, story in enumerate(STORIES):
+        ids, labels = hand_labels(trainer.processing_class, story, chat=model == "chat")
+        n, width = len(ids), batch["input_ids"].shape[1]
+        lengths.append(n)
+        assert batch["input_ids"][k].tolist() == ids + [pad] * (width - n)
+        assert batch["labels"][k].tolist() == labels + [-100] * (width - n)
+        assert batch["attention_mask"][k].tolist() == [1] * n + [0] * (width - n)
+    assert lengths[0] != lengths[1]  # one row is padded
