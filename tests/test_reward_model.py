@@ -440,7 +440,7 @@ def test_epochs_sets_the_steps_and_save_steps_the_checkpoints(assets, tmp_path):
 def test_a_backbone_without_a_pad_token_id_trains_in_batches(assets, tmp_path):
     from transformers import AutoConfig
 
-    from storyrl.training.reward_model import train
+    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs, train
 
     backbone = tmp_path / "nopad"
     save_tiny_llama(backbone, TEXTS, chat=False)
@@ -448,6 +448,10 @@ def test_a_backbone_without_a_pad_token_id_trains_in_batches(assets, tmp_path):
     config.pad_token_id = None
     config.save_pretrained(backbone)
     assert AutoConfig.from_pretrained(backbone).pad_token_id is None
+    # load_backbone sets it (TRL's RewardTrainer does too, but the accuracy before training does not pass there)
+    model, tokenizer = load_backbone(config_of(assets, tmp_path / "o", model=str(backbone)))
+    assert model.config.pad_token_id == tokenizer.pad_token_id is not None
+    assert 0 <= pair_accuracy(model, tokenizer, read_pairs(assets["pairs"]), PROMPT, 64) <= 1  # 16 texts a batch
     result = train(config_of(assets, tmp_path / "out", model=str(backbone), batch_size=4, max_steps=2),
                    progress=False)
     assert result.steps == 2 and all(math.isfinite(e["loss"]) for e in result.history if "loss" in e)
