@@ -333,12 +333,9 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
 @guarded
 def train(config: DPORunConfig, resume: bool = False, progress: bool = True) -> DPOResult:
     """Train, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    from storyrl.training.rl.trl_trainers import resume_checkpoint, save_final
+    from storyrl.training.rl.trl_trainers import train_to_final
 
-    checkpoint = resume_checkpoint(config.output_dir, resume)
-    trainer = build_trainer(config, progress)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-    save_final(config, trainer, Path(config.output_dir) / "final", config_file="dpo_config.yaml")
+    trainer = train_to_final(config, build_trainer, resume, progress, "dpo_config.yaml")
     return DPOResult(output_dir=config.output_dir, steps=trainer.state.global_step,
                      history=list(trainer.state.log_history))
 

@@ -27,7 +27,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from storyrl.config import option
@@ -148,12 +147,9 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
 @guarded
 def train(config: SFTRunConfig, resume: bool = False, progress: bool = True) -> SFTResult:
     """Fine-tune, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    from storyrl.training.rl.trl_trainers import resume_checkpoint, save_final
+    from storyrl.training.rl.trl_trainers import train_to_final
 
-    checkpoint = resume_checkpoint(config.output_dir, resume)
-    trainer = build_trainer(config, progress)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
-    save_final(config, trainer, Path(config.output_dir) / "final", config_file="sft_config.yaml")
+    trainer = train_to_final(config, build_trainer, resume, progress, "sft_config.yaml")
     return SFTResult(output_dir=config.output_dir, steps=trainer.state.global_step,
                      history=list(trainer.state.log_history))
 

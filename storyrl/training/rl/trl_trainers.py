@@ -44,7 +44,7 @@ from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_st
 
 __all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
            "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "quiet_progress", "resume_checkpoint",
-           "save_final", "train_trl"]
+           "save_final", "train_to_final", "train_trl"]
 
 logger = logging.getLogger(__name__)
 
@@ -415,6 +415,18 @@ def save_final(config, trainer, final: Path, config_file: str = "rl_config.yaml"
         tokenizer.padding_side = "left"  # SFT and DPO train right-padded
         trainer.processing_class.save_pretrained(final)
         config.to_yaml(final / config_file)
+
+
+def train_to_final(config, build_trainer, resume: bool, progress: bool, config_file: str):
+    """A storyteller run of a TRL trainer (SFT, DPO): find the checkpoint to
+    resume from (before building: an incomplete one is removed), build the
+    trainer with ``build_trainer(config, progress)``, train, save
+    ``OUTPUT_DIR/final`` (:func:`save_final`). Returns the trainer."""
+    checkpoint = resume_checkpoint(config.output_dir, resume)
+    trainer = build_trainer(config, progress)
+    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    save_final(config, trainer, Path(config.output_dir) / "final", config_file=config_file)
+    return trainer
 
 
 def resume_checkpoint(output_dir: str | Path, resume: bool) -> Path | None:
