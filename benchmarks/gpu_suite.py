@@ -102,6 +102,9 @@ TINY_CLIP = {"embed_dim": 32,
 EXPECTED_PARAMETERS = {
     "LLaMA-2-7B": 6.74e9, "Mistral-7B": 7.24e9, "ALBERT-large": 17.7e6, "BERT-large": 335e6,
     "CLIP ViT-B/32": 151e6, "CLIP ViT-L/14": 428e6, "ResNet-50 v2": 25.5e6,
+    # llava-v1.6-mistral-7b's model card: 7.57 B (its row name contains Mistral-7B's and CLIP ViT-L/14's: matched
+    # whole, never by substring)
+    "LLaVA-NeXT-7B (Mistral-7B + CLIP ViT-L/14-336)": 7.57e9,
 }
 
 

@@ -6,10 +6,13 @@ their published parameter counts."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,10 +52,15 @@ def tables(text: str) -> list[list[dict[str, str]]]:
 NUMERIC = re.compile(r"/s|\(s\)|speed-up|diff|\(M\)|GiB\)|^stories$|^pairs$|^images$|^batch$")
 
 
+ENV_AROUND_RUN: dict[str, str | None] = {}
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("suite") / "report.md"
+    ENV_AROUND_RUN["before"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     status = gpu_suite.main(["--tiny", "--device", "cpu", "--threads", "1", "--out", str(out)])
+    ENV_AROUND_RUN["after"] = os.environ.get("CUDA_VISIBLE_DEVICES")
     text = out.read_text(encoding="utf-8")
     assert status == 0, text
     return text
@@ -83,7 +91,7 @@ def test_numbers_parse(report):
                 for column, cell in row.items():
                     if not NUMERIC.search(column):
                         continue
-                    if cell == "—" and re.search("peak|published", column):  # no CUDA: no peak; LLaVA: no paper figure
+                    if cell == "—" and "peak" in column:  # no CUDA: no peak
                         continue
                     value = float(cell)
                     assert math.isfinite(value) and value >= 0, (key, column, cell)
@@ -258,3 +266,258 @@ def test_budget():
     budget.check(30, "fits")
     with pytest.raises(gpu_suite.Skip, match=r"time budget: needs ~2\.0 min, 1\.0 min left of 1 \(too big\)"):
         budget.check(120, "too big")
+
+
+# -- figures computed right (each test plants inputs whose answer is known) ----------------------
+
+
+def test_arch_figures_row_by_row(report):
+    section = sections(report)["arch"]
+    rows = tables(section)[0]
+    assert [r["architecture"] for r in rows] == list(gpu_suite.architectures(tiny=False))
+    for r in rows:
+        millions = float(r["parameters (M)"])
+        # fp16: 2 bytes a parameter, in GiB
+        assert float(r["fp16 weights (GiB)"]) == pytest.approx(2 * millions * 1e6 / 2**30, rel=2e-3), r
+        # each row its own published figure, looked up by its whole name
+        assert float(r["published (M)"]) == pytest.approx(
+            gpu_suite.EXPECTED_PARAMETERS[r["architecture"]] / 1e6, rel=1e-3), r
+    published = {r["architecture"]: r["published (M)"] for r in rows}
+    # LLaVA-NeXT-7B's name contains Mistral-7B's and CLIP ViT-L/14's: its figure is its own (7.57 B), not theirs
+    assert published["LLaVA-NeXT-7B (Mistral-7B + CLIP ViT-L/14-336)"] == "7570"
+    assert published["Mistral-7B"] == "7240"
+    # the --tiny note: the shrunk models' counts, in thousands
+    note = next(line for line in section.splitlines() if line.startswith("- --tiny runs these shrunk"))
+    for name, build in gpu_suite.architectures(tiny=True).items():
+        assert f"{name} {gpu_suite.count_parameters(build) / 1e3:.1f} k" in note, (name, note)
+
+
+def test_used_time_is_the_parts_time(report):
+    found = re.search(r"\n- budget: (\S+) min; used (\d+\.\d) min\n", report)
+    budget, used = float(found[1]), float(found[2])
+    seconds = sum(float(r["seconds"]) for r in tables(report.split("\n## ", 2)[1])[0])
+    assert used <= budget
+    # 0.1 min of rounding, plus a few seconds between the parts (writing the report)
+    assert abs(used * 60 - seconds) <= 3 + 5, (used, seconds)
+
+
+def test_cuda_visible_devices_restored(report, monkeypatch):
+    assert ENV_AROUND_RUN["after"] == ENV_AROUND_RUN["before"]  # the rl part hides GPUs only while it runs
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with gpu_suite._hidden_gpus(True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with gpu_suite._hidden_gpus(True):
+        pass
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ
+
+
+def test_generate_counts_the_differing_stories(tmp_path, monkeypatch):
+    import generate as gen
+
+    import storyrl.models.vlm
+
+    def write_data(directory, n, size):
+        records = directory / "data.jsonl"
+        records.write_text("".join(json.dumps({"story_id": f"s{k}", "images": [f"{k}_{i}.png" for i in range(5)]})
+                                   + "\n" for k in range(n)))
+        return records
+
+    class Authors:
+        def __init__(self, *args):
+            pass
+
+        def story(self, setting, images):
+            return f"{setting} {images[0]}"
+
+    planted = {"visual": {"s0", "s2"}, "prev_sentence": {"s0"}}  # the first story differs in both
+
+    def storyrl_way(ctx, model_dir, setting, records, out, **options):
+        lines = [json.loads(x) for x in Path(records).read_text().splitlines()]
+        return 1.0, {r["story_id"]: f"{setting} {r['images'][0]}" + (" !" if r["story_id"] in planted[setting] else "")
+                     for r in lines}
+
+    monkeypatch.setattr(gen, "build_model", lambda shape, directory, device: str(directory))
+    monkeypatch.setattr(gen, "write_data", write_data)
+    monkeypatch.setattr(gen, "Authors", Authors)
+    monkeypatch.setattr(storyrl.models.vlm, "load_vlm", lambda *args: SimpleNamespace(model=None, device="cpu"))
+    monkeypatch.setattr(gpu_suite, "_generate_storyrl", storyrl_way)
+    section = gpu_suite.Section("generate", "1.")
+    gpu_suite.part_generate(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path), section)
+    rows = tables("\n".join(section.lines))[0]
+    assert [(r["setting"], r["stories"], r["same stories"], r["differing"]) for r in rows] == [
+        ("visual", "3", "no", "2"), ("prev_sentence", "3", "no", "1")]
+    planted.update(visual=set(), prev_sentence=set())
+    section = gpu_suite.Section("generate", "1.")
+    gpu_suite.part_generate(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path / "again"), section)
+    rows = tables("\n".join(section.lines))[0]
+    assert [(r["same stories"], r["differing"]) for r in rows] == [("yes", "0"), ("yes", "0")]
+
+
+def test_authors_prompts_are_storyrls(monkeypatch):
+    """The one-at-a-time way sends storyrl's prompt text (the tiny random
+    LLaVA writes the same story whatever it is told, so the run cannot tell)."""
+    import generate as gen
+    import transformers
+
+    from storyrl.generators import create_generator
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda *args, **kwargs: None)
+    authors = gen.Authors("unused", None, "cpu", None, 6, "P3", None)
+    sent = []
+    monkeypatch.setattr(authors, "call", lambda prompt, image: sent.append(prompt) or f"sentence {len(sent)} .")
+    monkeypatch.setattr(authors, "sequence_image", lambda paths: None)
+    import PIL.Image
+
+    monkeypatch.setattr(PIL.Image, "open", lambda path: SimpleNamespace(convert=lambda mode: None))  # no files
+    storyrl = {setting: create_generator("prompting", model="unused", setting=setting, prompt="P3",
+                                         chat_format="authors") for setting in ("visual", "prev_sentence")}
+    for n in (5, 3):
+        authors.story("visual", [f"{i}.png" for i in range(n)])
+        assert sent[-1] == storyrl["visual"].wrap(storyrl["visual"].prompt_text(n))
+        assert ("five" if n == 5 else "three") in sent[-1]
+    sent.clear()
+    authors.story("prev_sentence", [f"{i}.png" for i in range(5)])
+    g = storyrl["prev_sentence"]
+    assert sent == [g.wrap(g.prompt_text(context=g._context([f"sentence {i} ." for i in range(1, k + 1)])))
+                    for k in range(5)]
+
+
+def test_clip_first_and_revisit_scores_compared(tmp_path, monkeypatch):
+    import numpy as np
+
+    import storyrl.rewards
+
+    class Reward:
+        grid = 3
+
+        def __init__(self, name):
+            self.name, self.calls = name, 0
+
+        def setup(self):
+            pass
+
+        def score(self, stories, images):
+            self.calls += 1
+            scores = np.linspace(0.1, 0.4, len(stories))
+            if self.name == "groovist" and self.calls == 2:
+                scores[-1] += 1e-3  # the revisit differs in the last story only
+            return scores
+
+    def no_resnet(tiny):
+        raise gpu_suite.Skip("not in this test")
+
+    monkeypatch.setattr(storyrl.rewards, "create_reward", lambda name, **options: Reward(name))
+    monkeypatch.setattr(gpu_suite, "_save_clip", lambda directory, cfg: "local-dir:unused")
+    monkeypatch.setattr(gpu_suite, "resnetv2", no_resnet)
+    section = gpu_suite.Section("clip", "2.")
+    gpu_suite.part_clip(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path), section)
+    rows = tables("\n".join(section.lines))[0]
+    assert {(r["reward"], r["CLIP"]): r["first = revisit scores"] for r in rows} == {
+        ("groovist", "ViT-B-32 (tiny)"): "no", ("clipscore", "ViT-B-32 (tiny)"): "yes",
+        ("groovist", "ViT-L-14 (tiny)"): "no", ("clipscore", "ViT-L-14 (tiny)"): "yes"}
+
+
+class VrankSkipped(gpu_suite.Budget):
+    def check(self, seconds, what):
+        if what == "Vrank":
+            raise gpu_suite.Skip("not in this test")
+
+
+@pytest.mark.parametrize("one_s, verdict", [(4.9, "FAIL"), (5.0, "PASS")])
+def test_rovist_speed_up_and_verdict(one_s, verdict, tmp_path, monkeypatch):
+    real = gpu_suite.timed
+
+    def timed(fn, device, *args, **kwargs):  # the real work, planted seconds
+        return (one_s if fn is gpu_suite._one_pair_per_forward else 1.0), real(fn, device, *args, **kwargs)[1]
+
+    monkeypatch.setattr(gpu_suite, "timed", timed)
+    section = gpu_suite.Section("pairs", "3.")
+    gpu_suite.part_pairs(gpu_suite.Context(True, "cpu", VrankSkipped(5), tmp_path), section)
+    [r] = tables("\n".join(section.lines))[0]
+    pairs = float(r["pairs"])
+    assert float(r["one per forward (pairs/s)"]) == pytest.approx(pairs / one_s, rel=1e-3)
+    assert float(r["batched (pairs/s)"]) == pytest.approx(pairs, rel=1e-3)
+    # speed-up = batched pairs/s / one-per-forward pairs/s
+    assert float(r["speed-up"]) == pytest.approx(one_s, rel=1e-3)
+    assert float(r["speed-up"]) == pytest.approx(float(r["batched (pairs/s)"]) / float(r["one per forward (pairs/s)"]),
+                                                 rel=2e-3)
+    assert r["target >= 5x"] == verdict
+
+
+def test_rl_row_shares_and_peak():
+    import rl_step
+
+    steps = [{"step": 2.0, "generation": 1.0, "forward": 0.5, "reward": 0.3, "optimisation": 0.2},
+             {"step": 4.0, "generation": 2.4, "forward": 0.6, "reward": 0.5, "optimisation": 0.5}]
+    row = gpu_suite._rl_row("M", "grpo", (steps, [], 7.5), 9.0, rl_step.summarise, 3 * 1024 + 512, "14 GiB")
+    share = rl_step.summarise("grpo", steps, [], None)["share"]
+    assert {p: row[p] for p in rl_step.PHASES} == {p: f"{100 * share[p]:.0f} %" for p in rl_step.PHASES}
+    # by hand: means 3.0 s a step, 1.7 / 0.55 / 0.4 / 0.35 s
+    assert [row[p] for p in ("generation", "forward", "reward", "optimisation")] == ["57 %", "18 %", "13 %", "12 %"]
+    assert (row["algorithm"], row["step (s)"], row["run (s)"], row["rewards prepared (s)"]) == ("GRPO", 3.0, 9.0, 7.5)
+    assert row["peak GiB"] == 3.5 and row["README estimate"] == "14 GiB"  # MiB / 1024
+    row = gpu_suite._rl_row("M", "grpo", (steps, []), 9.0, rl_step.summarise, None, None)
+    assert row["peak GiB"] is None and row["rewards prepared (s)"] is None
+    assert row["README estimate"] == "not found in benchmarks/README.md"
+
+
+def test_budget_counts_the_time_left(tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(gpu_suite.time, "perf_counter", lambda: clock[0])
+    budget = gpu_suite.Budget(1.0)
+    clock[0] = 142.0  # 18 s left of 60
+    budget.check(15, "fits what is left")
+    with pytest.raises(gpu_suite.Skip, match=r"^time budget: needs ~0\.5 min, 0\.3 min left of 1 \(fits the total\)$"):
+        budget.check(30, "fits the total")
+    clock[0] = 200.0
+    with pytest.raises(gpu_suite.Skip, match=r"needs ~0\.0 min, 0\.0 min left of 1 "):
+        budget.check(1, "past the budget")
+
+    # in the driver: the first part spends 50 s of 60; the second's 15 s no longer fit
+    def slow(ctx, section):
+        clock[0] += 50
+        section.table([{"figure": 1}])
+
+    clock[0] = 0.0
+    ran = []
+    monkeypatch.setitem(gpu_suite.PARTS, "arch", ("arch", slow, 1, 1))
+    monkeypatch.setitem(gpu_suite.PARTS, "deepspeed", ("deepspeed", lambda ctx, s: ran.append(1), 1, 15))
+    out = tmp_path / "r.md"
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--parts", "arch,deepspeed", "--budget-minutes", "1",
+                           "--out", str(out)]) == 0
+    assert ran == []
+    assert "- skipped: deepspeed: time budget: needs ~0.2 min, 0.2 min left of 1 (estimate of part deepspeed)" \
+        in sections(out.read_text())["deepspeed"]
+
+
+def test_out_in_a_missing_directory(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setitem(gpu_suite.PARTS, "arch", ("arch", lambda ctx, section: ran.append(1), 1, 1))
+    out = tmp_path / "missing" / "r.md"
+    assert gpu_suite.main(["--tiny", "--device", "cpu", "--parts", "arch", "--out", str(out)]) == 2
+    assert ran == [] and not out.parent.exists()
+    assert f"--out {out}: no directory {out.parent}" in capsys.readouterr().err
+
+
+def test_deepspeed_launch_exit_status(tmp_path, monkeypatch):
+    launched = []
+
+    def launch(tmp, options, steps=3, timeout=600):
+        launched.append(options)
+        return result
+
+    monkeypatch.setattr(gpu_suite, "_have", lambda module: True)  # deepspeed "installed"
+    monkeypatch.setattr(gpu_suite, "launch_rl_steps", launch)
+    ctx = gpu_suite.Context(False, "cuda", gpu_suite.Budget(40), tmp_path)
+    result = (1, "Traceback (most recent call last): ... boom", 2.0, [])
+    with pytest.raises(RuntimeError, match=r"^storyrl launch exited 1: Traceback .* boom$"):
+        gpu_suite.part_deepspeed(ctx, gpu_suite.Section("deepspeed", "5."))
+    result = (0, "", 12.0, [{"time/step": 1.0}, {"time/step": 3.0}, {"loss": 0.5}])
+    section = gpu_suite.Section("deepspeed", "5.")
+    gpu_suite.part_deepspeed(ctx, section)
+    [r] = tables("\n".join(section.lines))[0]
+    assert (r["steps logged"], r["mean step (s)"], r["run incl. start (s)"]) == ("3", "2", "12")
+    zero2 = str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml")
+    assert launched == [["--config_file", zero2, "--num_processes", "1"]] * 2
