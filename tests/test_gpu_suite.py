@@ -20,6 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import gpu_suite
+import gpu_suite_arch
+import gpu_suite_parts
+import gpu_suite_report
+import gpu_suite_rl
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +137,7 @@ def test_rl_time_split_and_estimates(report):
     assert [(r["model"], r["algorithm"]) for r in rows] == [
         ("LLaVA-NeXT-7B + LoRA (tiny)", "PPO"), ("LLaVA-NeXT-7B + LoRA (tiny)", "GRPO"),
         ("LLaMA-2-7B + LoRA (tiny)", "PPO"), ("LLaMA-2-7B + LoRA (tiny)", "GRPO")]
-    estimates = gpu_suite.readme_estimates()
+    estimates = gpu_suite_rl.readme_estimates()
     assert set(estimates) == {"llava", "llama"} and all("GiB" in v for v in estimates.values())
     for r in rows:
         shares = [float(r[p].rstrip(" %")) for p in ("generation", "forward", "reward", "optimisation")]
@@ -158,20 +162,20 @@ FULL_SIZE = {
 
 
 def test_full_size_parameter_counts(report):
-    builders = gpu_suite.architectures(tiny=False)
+    builders = gpu_suite_arch.architectures(tiny=False)
     for name, expected in FULL_SIZE.items():
-        assert gpu_suite.count_parameters(builders[name]) == expected, name
-        assert abs(expected / gpu_suite.EXPECTED_PARAMETERS[name] - 1) < 0.01
+        assert gpu_suite_arch.count_parameters(builders[name]) == expected, name
+        assert abs(expected / gpu_suite_arch.EXPECTED_PARAMETERS[name] - 1) < 0.01
     # LLaVA-NeXT: Mistral-7B with its 32,064-token vocabulary + CLIP ViT-L/14-336 (303.5 M) + projector (21.0 M)
-    llava = gpu_suite.count_parameters(builders["LLaVA-NeXT-7B (Mistral-7B + CLIP ViT-L/14-336)"])
+    llava = gpu_suite_arch.count_parameters(builders["LLaVA-NeXT-7B (Mistral-7B + CLIP ViT-L/14-336)"])
     assert llava == 7_566_747_648
     # and the report's arch table shows the same counts in millions
     rows = {r["architecture"]: float(r["parameters (M)"]) for r in tables(sections(report)["arch"])[0]}
     for name, expected in FULL_SIZE.items():
         assert rows[name] == pytest.approx(expected / 1e6, rel=1e-3)
     # --tiny shrinks every one of them below a few million parameters
-    for name, build in gpu_suite.architectures(tiny=True).items():
-        assert gpu_suite.count_parameters(build) < 3e6, name
+    for name, build in gpu_suite_arch.architectures(tiny=True).items():
+        assert gpu_suite_arch.count_parameters(build) < 3e6, name
 
 
 def test_refuses_to_overwrite(tmp_path, capsys):
@@ -219,15 +223,15 @@ def test_cuda_device_refused_without_cuda(tmp_path, capsys):
 
 
 def test_rows_skip_or_fail_without_stopping_the_part():
-    section = gpu_suite.Section("x", "X")
+    section = gpu_suite_report.Section("x", "X")
     done = []
-    for what, error in [("a", gpu_suite.Skip("no CUDA device (a needs one)")),
+    for what, error in [("a", gpu_suite_report.Skip("no CUDA device (a needs one)")),
                         ("b", RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")),
                         ("c", ValueError("bad\nshape"))]:
-        with gpu_suite.row(section, what):
+        with gpu_suite_report.row(section, what):
             raise error
         done.append(what)
-    with gpu_suite.row(section, "d"):
+    with gpu_suite_report.row(section, "d"):
         section.table([{"figure": 1.5, "flag": True, "none": None}])
     assert done == ["a", "b", "c"]
     assert section.status == "failed"
@@ -239,13 +243,13 @@ def test_rows_skip_or_fail_without_stopping_the_part():
 
 def test_a_failed_part_sets_the_exit_status(tmp_path, monkeypatch):
     def broken(ctx, section):
-        with gpu_suite.row(section, "first row"):
+        with gpu_suite_report.row(section, "first row"):
             section.table([{"pairs/s": 2.0}])
-        with gpu_suite.row(section, "second row"):
+        with gpu_suite_report.row(section, "second row"):
             raise KeyError("weights")
 
     def all_skipped(ctx, section):
-        with gpu_suite.row(section, "only row"):
+        with gpu_suite_report.row(section, "only row"):
             ctx.need_cuda("the only row")
 
     monkeypatch.setitem(gpu_suite.PARTS, "pairs", ("3. pairs", broken, 1, 1))
@@ -262,9 +266,9 @@ def test_a_failed_part_sets_the_exit_status(tmp_path, monkeypatch):
 
 
 def test_budget():
-    budget = gpu_suite.Budget(1.0)
+    budget = gpu_suite_report.Budget(1.0)
     budget.check(30, "fits")
-    with pytest.raises(gpu_suite.Skip, match=r"time budget: needs ~2\.0 min, 1\.0 min left of 1 \(too big\)"):
+    with pytest.raises(gpu_suite_report.Skip, match=r"time budget: needs ~2\.0 min, 1\.0 min left of 1 \(too big\)"):
         budget.check(120, "too big")
 
 
@@ -274,22 +278,22 @@ def test_budget():
 def test_arch_figures_row_by_row(report):
     section = sections(report)["arch"]
     rows = tables(section)[0]
-    assert [r["architecture"] for r in rows] == list(gpu_suite.architectures(tiny=False))
+    assert [r["architecture"] for r in rows] == list(gpu_suite_arch.architectures(tiny=False))
     for r in rows:
         millions = float(r["parameters (M)"])
         # fp16: 2 bytes a parameter, in GiB
         assert float(r["fp16 weights (GiB)"]) == pytest.approx(2 * millions * 1e6 / 2**30, rel=2e-3), r
         # each row its own published figure, looked up by its whole name
         assert float(r["published (M)"]) == pytest.approx(
-            gpu_suite.EXPECTED_PARAMETERS[r["architecture"]] / 1e6, rel=1e-3), r
+            gpu_suite_arch.EXPECTED_PARAMETERS[r["architecture"]] / 1e6, rel=1e-3), r
     published = {r["architecture"]: r["published (M)"] for r in rows}
     # LLaVA-NeXT-7B's name contains Mistral-7B's and CLIP ViT-L/14's: its figure is its own (7.57 B), not theirs
     assert published["LLaVA-NeXT-7B (Mistral-7B + CLIP ViT-L/14-336)"] == "7570"
     assert published["Mistral-7B"] == "7240"
     # the --tiny note: the shrunk models' counts, in thousands
     note = next(line for line in section.splitlines() if line.startswith("- --tiny runs these shrunk"))
-    for name, build in gpu_suite.architectures(tiny=True).items():
-        assert f"{name} {gpu_suite.count_parameters(build) / 1e3:.1f} k" in note, (name, note)
+    for name, build in gpu_suite_arch.architectures(tiny=True).items():
+        assert f"{name} {gpu_suite_arch.count_parameters(build) / 1e3:.1f} k" in note, (name, note)
 
 
 def test_used_time_is_the_parts_time(report):
@@ -304,11 +308,11 @@ def test_used_time_is_the_parts_time(report):
 def test_cuda_visible_devices_restored(report, monkeypatch):
     assert ENV_AROUND_RUN["after"] == ENV_AROUND_RUN["before"]  # the rl part hides GPUs only while it runs
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with gpu_suite._hidden_gpus(True):
+    with gpu_suite_rl._hidden_gpus(True):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    with gpu_suite._hidden_gpus(True):
+    with gpu_suite_rl._hidden_gpus(True):
         pass
     assert "CUDA_VISIBLE_DEVICES" not in os.environ
 
@@ -342,15 +346,16 @@ def test_generate_counts_the_differing_stories(tmp_path, monkeypatch):
     monkeypatch.setattr(gen, "write_data", write_data)
     monkeypatch.setattr(gen, "Authors", Authors)
     monkeypatch.setattr(storyrl.models.vlm, "load_vlm", lambda *args: SimpleNamespace(model=None, device="cpu"))
-    monkeypatch.setattr(gpu_suite, "_generate_storyrl", storyrl_way)
-    section = gpu_suite.Section("generate", "1.")
-    gpu_suite.part_generate(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path), section)
+    monkeypatch.setattr(gpu_suite_parts, "_generate_storyrl", storyrl_way)
+    section = gpu_suite_report.Section("generate", "1.")
+    gpu_suite_parts.part_generate(gpu_suite_report.Context(True, "cpu", gpu_suite_report.Budget(5), tmp_path), section)
     rows = tables("\n".join(section.lines))[0]
     assert [(r["setting"], r["stories"], r["same stories"], r["differing"]) for r in rows] == [
         ("visual", "3", "no", "2"), ("prev_sentence", "3", "no", "1")]
     planted.update(visual=set(), prev_sentence=set())
-    section = gpu_suite.Section("generate", "1.")
-    gpu_suite.part_generate(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path / "again"), section)
+    section = gpu_suite_report.Section("generate", "1.")
+    gpu_suite_parts.part_generate(gpu_suite_report.Context(True, "cpu", gpu_suite_report.Budget(5), tmp_path / "again"),
+                                  section)
     rows = tables("\n".join(section.lines))[0]
     assert [(r["same stories"], r["differing"]) for r in rows] == [("yes", "0"), ("yes", "0")]
 
@@ -406,35 +411,35 @@ def test_clip_first_and_revisit_scores_compared(tmp_path, monkeypatch):
             return scores
 
     def no_resnet(tiny):
-        raise gpu_suite.Skip("not in this test")
+        raise gpu_suite_report.Skip("not in this test")
 
     monkeypatch.setattr(storyrl.rewards, "create_reward", lambda name, **options: Reward(name))
-    monkeypatch.setattr(gpu_suite, "_save_clip", lambda directory, cfg: "local-dir:unused")
-    monkeypatch.setattr(gpu_suite, "resnetv2", no_resnet)
-    section = gpu_suite.Section("clip", "2.")
-    gpu_suite.part_clip(gpu_suite.Context(True, "cpu", gpu_suite.Budget(5), tmp_path), section)
+    monkeypatch.setattr(gpu_suite_parts, "_save_clip", lambda directory, cfg: "local-dir:unused")
+    monkeypatch.setattr(gpu_suite_parts, "resnetv2", no_resnet)
+    section = gpu_suite_report.Section("clip", "2.")
+    gpu_suite_parts.part_clip(gpu_suite_report.Context(True, "cpu", gpu_suite_report.Budget(5), tmp_path), section)
     rows = tables("\n".join(section.lines))[0]
     assert {(r["reward"], r["CLIP"]): r["first = revisit scores"] for r in rows} == {
         ("groovist", "ViT-B-32 (tiny)"): "no", ("clipscore", "ViT-B-32 (tiny)"): "yes",
         ("groovist", "ViT-L-14 (tiny)"): "no", ("clipscore", "ViT-L-14 (tiny)"): "yes"}
 
 
-class VrankSkipped(gpu_suite.Budget):
+class VrankSkipped(gpu_suite_report.Budget):
     def check(self, seconds, what):
         if what == "Vrank":
-            raise gpu_suite.Skip("not in this test")
+            raise gpu_suite_report.Skip("not in this test")
 
 
 @pytest.mark.parametrize("one_s, verdict", [(4.9, "FAIL"), (5.0, "PASS")])
 def test_rovist_speed_up_and_verdict(one_s, verdict, tmp_path, monkeypatch):
-    real = gpu_suite.timed
+    real = gpu_suite_parts.timed
 
     def timed(fn, device, *args, **kwargs):  # the real work, planted seconds
-        return (one_s if fn is gpu_suite._one_pair_per_forward else 1.0), real(fn, device, *args, **kwargs)[1]
+        return (one_s if fn is gpu_suite_parts._one_pair_per_forward else 1.0), real(fn, device, *args, **kwargs)[1]
 
-    monkeypatch.setattr(gpu_suite, "timed", timed)
-    section = gpu_suite.Section("pairs", "3.")
-    gpu_suite.part_pairs(gpu_suite.Context(True, "cpu", VrankSkipped(5), tmp_path), section)
+    monkeypatch.setattr(gpu_suite_parts, "timed", timed)
+    section = gpu_suite_report.Section("pairs", "3.")
+    gpu_suite_parts.part_pairs(gpu_suite_report.Context(True, "cpu", VrankSkipped(5), tmp_path), section)
     [r] = tables("\n".join(section.lines))[0]
     pairs = float(r["pairs"])
     assert float(r["one per forward (pairs/s)"]) == pytest.approx(pairs / one_s, rel=1e-3)
@@ -451,28 +456,29 @@ def test_rl_row_shares_and_peak():
 
     steps = [{"step": 2.0, "generation": 1.0, "forward": 0.5, "reward": 0.3, "optimisation": 0.2},
              {"step": 4.0, "generation": 2.4, "forward": 0.6, "reward": 0.5, "optimisation": 0.5}]
-    row = gpu_suite._rl_row("M", "grpo", (steps, [], 7.5), 9.0, rl_step.summarise, 3 * 1024 + 512, "14 GiB")
+    row = gpu_suite_rl._rl_row("M", "grpo", (steps, [], 7.5), 9.0, rl_step.summarise, 3 * 1024 + 512, "14 GiB")
     share = rl_step.summarise("grpo", steps, [], None)["share"]
     assert {p: row[p] for p in rl_step.PHASES} == {p: f"{100 * share[p]:.0f} %" for p in rl_step.PHASES}
     # by hand: means 3.0 s a step, 1.7 / 0.55 / 0.4 / 0.35 s
     assert [row[p] for p in ("generation", "forward", "reward", "optimisation")] == ["57 %", "18 %", "13 %", "12 %"]
     assert (row["algorithm"], row["step (s)"], row["run (s)"], row["rewards prepared (s)"]) == ("GRPO", 3.0, 9.0, 7.5)
     assert row["peak GiB"] == 3.5 and row["README estimate"] == "14 GiB"  # MiB / 1024
-    row = gpu_suite._rl_row("M", "grpo", (steps, []), 9.0, rl_step.summarise, None, None)
+    row = gpu_suite_rl._rl_row("M", "grpo", (steps, []), 9.0, rl_step.summarise, None, None)
     assert row["peak GiB"] is None and row["rewards prepared (s)"] is None
     assert row["README estimate"] == "not found in benchmarks/README.md"
 
 
 def test_budget_counts_the_time_left(tmp_path, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(gpu_suite.time, "perf_counter", lambda: clock[0])
-    budget = gpu_suite.Budget(1.0)
+    monkeypatch.setattr(gpu_suite_report.time, "perf_counter", lambda: clock[0])
+    budget = gpu_suite_report.Budget(1.0)
     clock[0] = 142.0  # 18 s left of 60
     budget.check(15, "fits what is left")
-    with pytest.raises(gpu_suite.Skip, match=r"^time budget: needs ~0\.5 min, 0\.3 min left of 1 \(fits the total\)$"):
+    with pytest.raises(gpu_suite_report.Skip,
+                       match=r"^time budget: needs ~0\.5 min, 0\.3 min left of 1 \(fits the total\)$"):
         budget.check(30, "fits the total")
     clock[0] = 200.0
-    with pytest.raises(gpu_suite.Skip, match=r"needs ~0\.0 min, 0\.0 min left of 1 "):
+    with pytest.raises(gpu_suite_report.Skip, match=r"needs ~0\.0 min, 0\.0 min left of 1 "):
         budget.check(1, "past the budget")
 
     # in the driver: the first part spends 50 s of 60; the second's 15 s no longer fit
@@ -508,15 +514,15 @@ def test_deepspeed_launch_exit_status(tmp_path, monkeypatch):
         launched.append(options)
         return result
 
-    monkeypatch.setattr(gpu_suite, "_have", lambda module: True)  # deepspeed "installed"
-    monkeypatch.setattr(gpu_suite, "launch_rl_steps", launch)
-    ctx = gpu_suite.Context(False, "cuda", gpu_suite.Budget(40), tmp_path)
+    monkeypatch.setattr(gpu_suite_report, "_have", lambda module: True)  # deepspeed "installed"
+    monkeypatch.setattr(gpu_suite_rl, "launch_rl_steps", launch)
+    ctx = gpu_suite_report.Context(False, "cuda", gpu_suite_report.Budget(40), tmp_path)
     result = (1, "Traceback (most recent call last): ... boom", 2.0, [])
     with pytest.raises(RuntimeError, match=r"^storyrl launch exited 1: Traceback .* boom$"):
-        gpu_suite.part_deepspeed(ctx, gpu_suite.Section("deepspeed", "5."))
+        gpu_suite_rl.part_deepspeed(ctx, gpu_suite_report.Section("deepspeed", "5."))
     result = (0, "", 12.0, [{"time/step": 1.0}, {"time/step": 3.0}, {"loss": 0.5}])
-    section = gpu_suite.Section("deepspeed", "5.")
-    gpu_suite.part_deepspeed(ctx, section)
+    section = gpu_suite_report.Section("deepspeed", "5.")
+    gpu_suite_rl.part_deepspeed(ctx, section)
     [r] = tables("\n".join(section.lines))[0]
     assert (r["steps logged"], r["mean step (s)"], r["run incl. start (s)"]) == ("3", "2", "12")
     zero2 = str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml")

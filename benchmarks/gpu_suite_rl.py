@@ -1,0 +1,294 @@
+"""The parts of benchmarks/gpu_suite.py that train: rl (PPO and GRPO steps
+through benchmarks/rl_step.py's runners) and deepspeed (``storyrl launch``
+with the shipped ZeRO-2 config, in a subprocess)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from gpu_suite_arch import LLAMA2_7B
+from gpu_suite_parts import synthetic_stories, write_sequence_images
+from gpu_suite_report import Context, Section, Skip, _one_line, free_memory, need, row
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "benchmarks"
+
+# -- part: rl -----------------------------------------------------------------------------------
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{% for m in messages %}[INST] {% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %} [/INST]{% endfor %}"
+)
+
+
+def readme_estimates() -> dict[str, str]:
+    """The 7B memory estimates of benchmarks/README.md's table (last column),
+    by model: ``llava`` (LLaVA-NeXT-7B fp16 inference) and ``llama`` (LLaMA-2-7B
+    4-bit + LoRA, TAPM training at batch 2)."""
+    found = {}
+    readme = BENCH / "README.md"
+    if not readme.is_file():
+        return found
+    for line in readme.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or "GiB" not in cells[-1]:
+            continue
+        if cells[0].startswith("LLaVA-NeXT-7B") and "llava" not in found:
+            found["llava"] = cells[-1]
+        elif "LLaMA-2-7B" in cells[0] and "4-bit" in cells[0] and "llama" not in found:
+            found["llama"] = cells[-1]
+    return found
+
+
+@contextmanager
+def rl_options(extra: dict):
+    """Let benchmarks/rl_step.py's ``rl_config`` build RLConfigs with
+    ``extra`` keys too (policy kind, LoRA, 4-bit; ``ppo``/``grpo`` keys merged),
+    without changing rl_step.py."""
+    from storyrl.training.rl.config import RLConfig
+
+    raw = vars(RLConfig).get("from_mapping")  # None: inherited
+    original = RLConfig.from_mapping
+
+    def from_mapping(cls, mapping, *a, **kw):
+        if cls is RLConfig:
+            mapping = dict(mapping)
+            for key, value in extra.items():
+                if isinstance(value, dict) and isinstance(mapping.get(key), dict):
+                    mapping[key] = {**mapping[key], **value}
+                elif isinstance(value, dict) and key in ("ppo", "grpo") and key not in mapping:
+                    continue  # the other algorithm's keys
+                else:
+                    mapping[key] = value
+        return original.__func__(cls, mapping, *a, **kw)
+
+    RLConfig.from_mapping = classmethod(from_mapping)
+    try:
+        yield
+    finally:
+        if raw is not None:
+            RLConfig.from_mapping = raw
+        else:
+            del RLConfig.from_mapping
+
+
+def _build_llama_7b(directory: Path, texts: list[str], device: str) -> str:
+    """LLaMA-2-7B's architecture, random fp16 weights made on the GPU, with a
+    word-level chat tokenizer padded with filler words to 32,000 entries."""
+    import torch
+    from tiny_models import chat_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = len(chat_tokenizer(texts))
+    tokenizer = chat_tokenizer([*texts, " ".join(f"w{i}" for i in range(32000 - base))])
+    config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **LLAMA2_7B)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    free_memory()
+    return str(directory)
+
+
+def _build_llava(directory: Path, texts: list[str], ctx: Context) -> str:
+    import generate as gen
+    from tiny_models import LLAVA_CHAT_TEMPLATE, save_tiny_chat_vlm
+    from transformers import AutoProcessor
+
+    if ctx.tiny:
+        return save_tiny_chat_vlm(directory, texts)
+    gen.build_model("7b", directory, ctx.device)
+    processor = AutoProcessor.from_pretrained(directory)
+    processor.chat_template = MISTRAL_CHAT_TEMPLATE if "[INST]" in processor.tokenizer.get_vocab() \
+        else LLAVA_CHAT_TEMPLATE
+    processor.save_pretrained(directory)
+    free_memory()
+    return str(directory)
+
+
+def part_rl(ctx: Context, section: Section) -> None:
+    try:
+        rl_step = importlib.import_module("rl_step")
+        runners = {"ppo": rl_step.run_ppo, "grpo": rl_step.run_grpo}
+        build_assets, summarise, peak = rl_step.build_assets, rl_step.summarise, rl_step._peak_mib
+    except (ImportError, AttributeError) as exc:
+        raise Skip(f"benchmarks/rl_step.py's runners are not importable ({_one_line(exc)})") from None
+    with _hidden_gpus(ctx.device == "cpu"):  # accelerate (PPO) would take a visible GPU
+        _part_rl(ctx, section, rl_step, runners, build_assets, summarise, peak)
+
+
+@contextmanager
+def _hidden_gpus(hide: bool):
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hide:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mib, estimate) -> dict:
+    """A report row from one of rl_step.py's runners' results: (steps, reward
+    calls[, seconds preparing the rewards])."""
+    s = summarise(algorithm, result[0], result[1], peak_mib)
+    share = s["share"]
+    peak_mib = s.get("peak_cuda_mib")
+    return {"model": model, "algorithm": algorithm.upper(), "step (s)": s["mean_s"]["step"],
+            **{phase: f"{100 * share[phase]:.0f} %" for phase in ("generation", "forward", "reward", "optimisation")},
+            "run (s)": run_s, "rewards prepared (s)": result[2] if len(result) > 2 else None,
+            "peak GiB": None if peak_mib is None else peak_mib / 1024,
+            "README estimate": estimate or "not found in benchmarks/README.md"}
+
+
+def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
+    steps, warmup = (1, 0) if ctx.tiny else (2, 1)
+    batch, generations = (4, 2) if ctx.tiny else (8, 4)
+    # rl_step's own parser: its defaults for whatever options it has grown (NP extraction, ...)
+    args = rl_step.parse_args(["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
+                               "--generations", str(generations), "--max-new-tokens", "16" if ctx.tiny else "64",
+                               "--ppo-epochs", "1" if ctx.tiny else "4", "--sft-steps", "20" if ctx.tiny else "1",
+                               "--device", ctx.device, "--reward", "dhm",
+                               # --tiny: the cheap regex NPs (the spaCy-shaped default costs seconds to set up)
+                               *(["--noun-phrases", "regex"] if ctx.tiny and "regex" in getattr(
+                                   rl_step, "NP_EXTRACTORS", ()) else [])])
+    # rewards prepared before training (the image side embedded once) where rl_step.py can do it
+    prepare = {"prepare": True} if "prepare" in inspect.signature(runners["ppo"]).parameters else {}
+    tmp = ctx.root / "rl"
+    t0 = time.perf_counter()
+    assets = build_assets(tmp, args)
+    vocabulary = " ".join([*rl_step.DETS, *rl_step.ADJS, *rl_step.NOUNS, *rl_step.VERBS, *rl_step.INTRANSITIVE,
+                           *rl_step.PREPS, "we it was day then . [INST] [/INST]"])
+    prompt = rl_step._prompt_text(rl_step.IMAGES_PER_SEQUENCE)
+    section.note(f"data and reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py; its NP extractor "
+                 f"{getattr(args, 'noun_phrases', 'regex')}) built in {time.perf_counter() - t0:.1f} s; "
+                 f"{'the LLaMA policy: rl_step.py tiny one, fitted to write sentences; ' if ctx.tiny else ''}"
+                 f"{batch} stories per step, "
+                 f"{warmup} warm-up + {steps} timed step(s), {args.max_new_tokens} new tokens")
+    estimates = readme_estimates()
+    gc_on = not ctx.tiny  # 7B with LoRA: activations recomputed, as the shipped configs do
+    models = [
+        ("LLaVA-NeXT-7B + LoRA", "llava", {"policy": "vlm", "setting": "visual", "freeze_vision_tower": True,
+                                           "lora": {"enabled": True, "r": 16, "alpha": 32}}),
+        ("LLaMA-2-7B 4-bit + LoRA", "llama", {"policy": "causal_lm", "setting": "text", "load_in_4bit": True,
+                                              "lora": {"enabled": True, "r": 16, "alpha": 32}}),
+    ]
+    rows = []
+    for label, key, extra in models:
+        with row(section, label):
+            ctx.budget.check(40 if ctx.tiny else 420, f"rl {label}")  # 7B: build, save, PPO and GRPO
+            if extra.get("load_in_4bit"):
+                if not ctx.cuda:
+                    extra = {k: v for k, v in extra.items() if k != "load_in_4bit"}
+                    section.skip(f"{label}, its 4-bit base", "no CUDA device (bitsandbytes needs one); ran LoRA on the "
+                                 "full-precision base instead")
+                    label = label.replace(" 4-bit", "")
+                else:
+                    need("bitsandbytes", "4-bit loading: pip install 'storyrl[quant]'")
+            if key == "llava":
+                policy = _build_llava(tmp / "llava", [prompt, vocabulary, *synthetic_stories(4)], ctx)
+            elif ctx.tiny:
+                policy = assets["policy"]  # rl_step's tiny LLaMA, fitted to write sentences
+            else:
+                policy = _build_llama_7b(tmp / "llama", [prompt, vocabulary], ctx.device)
+            extra = {**extra, "ppo": {"gradient_checkpointing": gc_on},
+                     "grpo": {"gradient_checkpointing": gc_on}}
+            for algorithm in ("ppo", "grpo"):
+                free_memory()
+                with row(section, f"{label}, {algorithm.upper()}"):  # an OOM in PPO still lets GRPO run
+                    ctx.budget.check(15 if ctx.tiny else 150, f"rl {label} {algorithm}")
+                    with rl_options(extra):
+                        t1 = time.perf_counter()
+                        run_assets = {**assets, "policy": policy,
+                                      "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
+                        result = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}", **prepare)
+                        run_s = time.perf_counter() - t1
+                    rows.append(_rl_row(label + (" (tiny)" if ctx.tiny else ""), algorithm, result, run_s,
+                                        summarise, peak(ctx.device), estimates.get(key)))
+            if not ctx.tiny:
+                shutil.rmtree(Path(policy), ignore_errors=True)  # ~15 GB of disk
+    section.table(rows)
+    section.note("rewards prepared: the image side of the data set embedded (and the human stories scored) "
+                 "before training by RLConfig prepare_rewards, untimed in the steps (— where rl_step.py cannot).")
+    section.note("time split: rl_step.py's phases (generation, no-grad forwards, the dhm reward, the rest = "
+                 "optimisation) as shares of the mean timed step; peak = torch.cuda.max_memory_allocated over the "
+                 "run. README estimate: benchmarks/README.md's table of 7B memory estimates, its LLaVA-NeXT-7B fp16 "
+                 "inference row and its LLaMA-2-7B 4-bit + LoRA (TAPM training, batch 2) row: not for RL: they are a floor to compare with, not the same workload. The 7B policies are "
+                 "random (not fitted), so most of their stories are unscorable word soup: `bleu` (model-free, against the "
+                 "human story) is added next to `dhm` so that every step has a finite reward (storyrl stops a run "
+                 "whose rewards score nothing); its cost counts in the reward share, and `dhm` does less work on "
+                 "one-sentence soup (no coherence pairs) than on a trained policy's stories.")
+
+
+# -- part: deepspeed ----------------------------------------------------------------------------
+
+
+def launch_rl_steps(tmp: Path, launch_options: list[str], steps: int = 3, timeout: float = 600):
+    """``storyrl launch OPTIONS -- storyrl train rl`` in a subprocess: ``steps``
+    PPO steps of a tiny LLaMA on 8 synthetic sequences, scored by ``bleu``.
+    Returns (exit status, last lines of its output, seconds, history rows)."""
+    import yaml
+    from tiny_models import save_tiny_llama
+
+    paths = write_sequence_images(tmp / "images", 8, (64, 48))
+    stories = synthetic_stories(8)
+    data = tmp / "data.jsonl"
+    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": s, "images": p}) + "\n"
+                            for k, (s, p) in enumerate(zip(stories, paths))))
+    policy = save_tiny_llama(tmp / "policy", [*stories, "write a story of five sentences ."])
+    config = {"algorithm": "ppo", "output_dir": str(tmp / "run"), "model": policy, "data": str(data),
+              "setting": "text", "rewards": ["bleu"], "max_steps": steps, "report_to": "none",
+              "ppo": {"per_device_train_batch_size": 4, "response_length": 16, "num_ppo_epochs": 1,
+                      "save_steps": None, "logging_steps": 1}}
+    (tmp / "rl.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "storyrl", "launch", *launch_options,
+               "--", "storyrl", "train", "rl", "--config", str(tmp / "rl.yaml")]
+    t0 = time.perf_counter()
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    seconds = time.perf_counter() - t0
+    history = tmp / "run" / "history.jsonl"
+    logged = [json.loads(x) for x in history.read_text().splitlines() if x.strip()] if history.is_file() else []
+    tail = " ".join((done.stderr or done.stdout).strip().splitlines()[-3:])[-400:]
+    return done.returncode, tail, seconds, logged
+
+
+def part_deepspeed(ctx: Context, section: Section) -> None:
+    need("deepspeed", "pip install deepspeed")
+    ctx.need_cuda("DeepSpeed ZeRO-2")
+    ctx.budget.check(180, "deepspeed")
+    zero2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
+    try:
+        status, tail, seconds, logged = launch_rl_steps(
+            ctx.root / "deepspeed", ["--config_file", str(zero2), "--num_processes", "1"],
+            timeout=max(60, ctx.budget.left()))
+    except subprocess.TimeoutExpired:
+        raise Skip("time budget: storyrl launch did not finish in the time left") from None
+    if status != 0:
+        raise RuntimeError(f"storyrl launch exited {status}: {tail}")
+    step_s = [h["time/step"] for h in logged if "time/step" in h]
+    section.table([{"config": "configs/accelerate/deepspeed_zero2.yaml (--num_processes 1)",
+                    "policy": "tiny LLaMA (hidden 32, 2 layers)", "reward": "bleu", "steps logged": len(logged),
+                    "mean step (s)": sum(step_s) / len(step_s) if step_s else None, "run incl. start (s)": seconds}])
+    section.note("`storyrl launch ... -- storyrl train rl` in a subprocess: checks that ZeRO-2 through the shipped "
+                 "accelerate config trains end to end on one GPU, not its speed.")
