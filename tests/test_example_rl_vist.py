@@ -241,12 +241,14 @@ def test_example_configs_load(tmp_path):
     LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(model)
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("{}\n")
+    data = tmp_path / "train.jsonl"  # out/rl_vist/ exists only after run.sh
+    data.write_text("{}\n")
     paths = {"pairs": str(pairs), "model": str(model)}
-    dpo = DPORunConfig.from_yaml(EXAMPLE / "dpo_dhm.yaml", output_dir=str(tmp_path / "dpo"), **paths)
+    dpo = DPORunConfig.from_yaml(EXAMPLE / "dpo_dhm.yaml", output_dir=str(tmp_path / "dpo"), data=str(data), **paths)
     assert (dpo.prompts, dpo.max_steps, dpo.batch_size, dpo.lora.enabled) == ("pairs", 80, 16, False)
     assert dpo.rewards == ["examples/rl_vist/dhm.yaml"] and dpo.sample_steps == 10
     rm = RewardModelRunConfig.from_yaml(EXAMPLE / "reward_model_dhm.yaml", output_dir=str(tmp_path / "rm"), **paths)
     assert rm.include_prompt is False and rm.lora.enabled is False
     with pytest.raises(ValueError, match="dpo_dhm.yaml: .*pairs: no such file"):
         DPORunConfig.from_yaml(EXAMPLE / "dpo_dhm.yaml", output_dir=str(tmp_path / "dpo"), model=str(model),
-                               pairs=str(tmp_path / "missing.jsonl"))
+                               data=str(data), pairs=str(tmp_path / "missing.jsonl"))
