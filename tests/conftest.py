@@ -86,6 +86,16 @@ def one_thread():
         yield
 
 
+@pytest.fixture
+def trl_offline(monkeypatch):
+    """TRL trainers on tiny models: one thread (``one_thread``), no hub
+    calls, no wandb (``pytestmark = pytest.mark.usefixtures("trl_offline")``)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    with _torch_threads(1):
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread_module():
     """``one_thread`` for a whole module (``pytestmark =

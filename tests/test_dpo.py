@@ -22,16 +22,7 @@ STORY_B = " ".join(TAPM_TEXTS[2:4])
 FILE_PROMPT = P1.format(n="four")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_offline(monkeypatch):
-    import torch
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("WANDB_DISABLED", "true")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("trl_offline")
 
 
 @pytest.fixture(scope="module")

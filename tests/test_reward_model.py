@@ -31,16 +31,7 @@ def bad(subject: str) -> str:
     return f"{subject} was bad and sad ."
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_offline(monkeypatch):
-    import torch
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("WANDB_DISABLED", "true")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("trl_offline")
 
 
 def write_pairs(path: Path, rows: list[dict]) -> str:

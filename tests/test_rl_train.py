@@ -61,16 +61,7 @@ REWARDS = [
 REWARD_WEIGHTS = [1.0, 0.5]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_offline(monkeypatch):
-    import torch
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("WANDB_DISABLED", "true")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads cost more than they save
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("trl_offline")
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,7 @@ TEXTS = [*TAPM_TEXTS, P1.format(n="three"), P1.format(n="four")]
 STORIES = [" ".join(TAPM_TEXTS[0:2]), " ".join(TAPM_TEXTS[2:4])]
 
 
-@pytest.fixture(autouse=True)
-def _quiet_and_offline(monkeypatch):
-    import torch
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("WANDB_DISABLED", "true")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("trl_offline")
 
 
 @pytest.fixture(scope="module")
