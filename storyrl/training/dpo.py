@@ -39,7 +39,7 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig, story_completion, turn_end
+from storyrl.training.storyteller import RunResult, StorytellerConfig, TrlRunOptions, story_completion, turn_end
 
 __all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
            "load_pairs", "train"]
@@ -51,7 +51,7 @@ PROMPT_SOURCES = ("template", "pairs")
 
 
 @dataclass(kw_only=True)
-class DPORunConfig(StorytellerConfig):
+class DPORunConfig(TrlRunOptions, StorytellerConfig):
     """Settings of the dpo trainer (module docs); the policy, data and prompt
     keys are :class:`~storyrl.training.storyteller.StorytellerConfig`'s, as
     ``storyrl train rl`` reads them (``data``: the image sequences and human
@@ -68,17 +68,10 @@ class DPORunConfig(StorytellerConfig):
                           "as is.", choices=PROMPT_SOURCES)
     beta: float = option(0.1, "DPO beta: how far the policy may move from the reference.", min=0.0)
     loss_type: str = option("sigmoid", "TRL's DPO loss.", choices=LOSS_TYPES)
-    seed: int = option(0, "Seed of the run (data order, adapter initialisation).")
     max_steps: int | None = option(None, "Optimizer steps; default: epochs over the pairs.", min=1)
     epochs: float = option(1.0, "Passes over the pairs (when max_steps is not set).", min=0.0)
     learning_rate: float = option(1e-6, "AdamW learning rate.", min=0.0)
     batch_size: int = option(8, "Pairs per device and step.", min=1)
-    gradient_accumulation_steps: int = option(1, "Batches per optimizer step.", min=1)
-    max_length: int = option(1024, "Tokens of prompt + story; longer ones lose their end.", min=1)
-    logging_steps: int = option(10, "Log (and write history.jsonl) every N steps.", min=1)
-    save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
-    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
-                                        "none.")
     # -- monitoring -----------------------------------------------------------------
     rewards: list[str | dict[str, Any]] = option(factory=list, help="Rewards that score the monitoring samples: "  # noqa: RUF009
                                                  "registered names, reward config YAML paths or mappings.")
@@ -89,7 +82,6 @@ class DPORunConfig(StorytellerConfig):
 
     def _problems(self) -> list[str]:
         from storyrl.training.rl.config import reward_problems
-        from storyrl.training.rl.ppo.config import TRACKERS
 
         problems = []
         if not Path(self.pairs).is_file():
@@ -97,9 +89,6 @@ class DPORunConfig(StorytellerConfig):
         problems += reward_problems(self.rewards, "history keys are per name")
         if self.rewards and self.sample_steps is None:
             problems.append("rewards: they score the monitoring samples; set sample_steps (every N steps)")
-        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
-                     if t not in TRACKERS]
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             problems.append(_kind_refusal(self.model, kind))
@@ -196,20 +185,9 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
 
 
 def _dpo_args(config: DPORunConfig, progress: bool):
-    import torch
     from trl import DPOConfig
 
-    from storyrl.training.rl.policy import training_dtype
-
-    cuda = torch.cuda.is_available()
-    return DPOConfig(
-        output_dir=config.output_dir, seed=config.seed, max_steps=config.max_steps or -1,
-        num_train_epochs=config.epochs, learning_rate=config.learning_rate,
-        per_device_train_batch_size=config.batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        max_length=config.max_length, logging_steps=config.logging_steps, save_steps=config.save_steps,
-        report_to=config.report_to, disable_tqdm=not progress, beta=config.beta, loss_type=[config.loss_type],
-        use_cpu=not cuda, bf16=cuda and training_dtype(config.precision) == torch.bfloat16,
-    )
+    return DPOConfig(**config.trl_arguments(progress), beta=config.beta, loss_type=[config.loss_type])
 
 
 class SampleMonitor:

@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storyrl.config import Config, option
+from storyrl.config import option
 from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import LoraOptions, RunResult
+from storyrl.training.storyteller import LoraOptions, RunResult, TrlRunOptions
 
 __all__ = ["HELDOUT_FILE", "TRAINER", "RewardModelResult", "RewardModelRunConfig", "build_trainer", "read_pairs",
            "split_pairs", "train"]
@@ -44,7 +44,7 @@ HELDOUT_FILE = "heldout_pairs.jsonl"
 
 
 @dataclass(kw_only=True)
-class RewardModelRunConfig(Config):
+class RewardModelRunConfig(TrlRunOptions):
     """Settings of the reward_model trainer (module docs)."""
 
     _field_word = "key"
@@ -67,17 +67,12 @@ class RewardModelRunConfig(Config):
     epochs: float = option(1.0, "Passes over the pairs (when max_steps is not set).", min=0.0)
     learning_rate: float = option(1e-5, "AdamW learning rate.", min=0.0)
     batch_size: int = option(8, "Pairs per device and step.", min=1)
-    gradient_accumulation_steps: int = option(1, "Batches per optimizer step.", min=1)
     max_length: int = option(512, "Tokens of (prompt +) story; longer ones lose their end.", min=2)
-    logging_steps: int = option(10, "Log (and write history.jsonl) every N steps.", min=1)
-    save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
-    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
-                                        "none.")
     lora: LoraOptions = option(factory=LoraOptions, help="LoRA adapters: enabled, r, alpha, dropout, "  # noqa: RUF009
                                "target_modules, merge.", cli=False)
 
     def _problems(self) -> list[str]:
-        problems = []
+        problems = super()._problems()
         if not Path(self.pairs).is_file():
             problems.append(f"pairs: no such file {self.pairs}")
         from storyrl.training.rl.policy import detect_policy
@@ -164,20 +159,9 @@ def _dataset(rows: list[dict], tokenizer: Any, prompt: str | None, max_length: i
 
 
 def _args(config: RewardModelRunConfig, progress: bool):
-    import torch
     from trl import RewardConfig
 
-    from storyrl.training.rl.policy import training_dtype
-
-    cuda = torch.cuda.is_available()
-    return RewardConfig(
-        output_dir=config.output_dir, seed=config.seed, max_steps=config.max_steps or -1,
-        num_train_epochs=config.epochs, learning_rate=config.learning_rate,
-        per_device_train_batch_size=config.batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        max_length=config.max_length, logging_steps=config.logging_steps, save_steps=config.save_steps,
-        report_to=config.report_to, disable_tqdm=not progress,
-        use_cpu=not cuda, bf16=cuda and training_dtype(config.precision) == torch.bfloat16,
-    )
+    return RewardConfig(**config.trl_arguments(progress))
 
 
 def _lora(config: RewardModelRunConfig):

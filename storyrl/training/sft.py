@@ -32,31 +32,21 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig, story_completion, turn_end
+from storyrl.training.storyteller import RunResult, StorytellerConfig, TrlRunOptions, story_completion, turn_end
 
 __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset", "train"]
 
 
 @dataclass(kw_only=True)
-class SFTRunConfig(StorytellerConfig):
-    """Settings of the sft trainer (module docs); the policy, data and prompt
-    keys are :class:`~storyrl.training.storyteller.StorytellerConfig`'s, as
-    ``storyrl train rl`` reads them."""
+class SFTRunConfig(TrlRunOptions, StorytellerConfig):
+    """Settings of the sft trainer (module docs): the run keys of
+    :class:`~storyrl.training.storyteller.TrlRunOptions` and the policy,
+    data and prompt keys of :class:`~storyrl.training.storyteller.StorytellerConfig`,
+    as ``storyrl train rl`` reads them."""
 
     _field_word = "key"
 
-    output_dir: str = option(help="TRL's checkpoint-<step>/, history.jsonl and the model in final/.", path="new-dir")
-    seed: int = option(0, "Seed of the run (data order, adapter initialisation).")
-    max_steps: int | None = option(None, "Optimizer steps; default: epochs over the data.", min=1)
-    epochs: float = option(1.0, "Passes over the data (when max_steps is not set).", min=0.0)
-    learning_rate: float = option(2e-5, "AdamW learning rate.", min=0.0)
     batch_size: int = option(8, "Stories per device and step.", min=1)
-    gradient_accumulation_steps: int = option(1, "Batches per optimizer step.", min=1)
-    max_length: int = option(1024, "Tokens of prompt + story; longer ones lose their end.", min=1)
-    logging_steps: int = option(10, "Log (and write history.jsonl) every N steps.", min=1)
-    save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
-    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or "  # noqa: RUF009
-                                        "none.")
 
 
 @dataclass(kw_only=True)
@@ -93,23 +83,14 @@ def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
 
 
 def _sft_args(config: SFTRunConfig, progress: bool, kind: str):
-    import torch
     from trl import SFTConfig
 
-    from storyrl.training.rl.policy import training_dtype
-
-    cuda = torch.cuda.is_available()
     return SFTConfig(
-        output_dir=config.output_dir, seed=config.seed, max_steps=config.max_steps or -1,
-        num_train_epochs=config.epochs, learning_rate=config.learning_rate,
-        per_device_train_batch_size=config.batch_size, gradient_accumulation_steps=config.gradient_accumulation_steps,
-        max_length=config.max_length, logging_steps=config.logging_steps, save_steps=config.save_steps,
-        report_to=config.report_to, disable_tqdm=not progress,
+        **config.trl_arguments(progress),
         completion_only_loss=True,  # the prompt is context, not something to learn
         # A VLM's rows carry the columns its images are made from; TRL's vision
         # collator reads prompt/completion/images only.
         remove_unused_columns=kind != "vlm",
-        use_cpu=not cuda, bf16=cuda and training_dtype(config.precision) == torch.bfloat16,
     )
 
 

@@ -21,7 +21,7 @@ from storyrl.datasets import DATA_FORMATS
 from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
 
-__all__ = ["POLICIES", "SETTINGS", "LoraOptions", "RunResult", "StorytellerConfig"]
+__all__ = ["POLICIES", "SETTINGS", "LoraOptions", "RunResult", "StorytellerConfig", "TrlRunOptions"]
 
 POLICIES = ("auto", "causal_lm", "vlm", "tapm")
 #: How the policy sees the image sequence (see StorytellerConfig.setting).
@@ -120,6 +120,51 @@ class StorytellerConfig(Config):
                                prompts_file=self.prompts_file, fill_count=self.fill_count,
                                image_root=self.image_root, sequence_image_size=self.sequence_image_size,
                                sequence_image_dir=self.sequence_image_dir)
+
+
+@dataclass(kw_only=True)
+class TrlRunOptions(Config):
+    """The run keys of a storyrl trainer wrapping a TRL trainer (SFT, DPO,
+    the reward model): where it writes, how long it trains, how it logs.
+    :meth:`trl_arguments` gives them as TRL config arguments. Subclasses
+    redeclare a key to change its default or help."""
+
+    _field_word = "key"
+
+    output_dir: str = option(help="TRL's checkpoint-<step>/, history.jsonl and the model in final/.", path="new-dir")
+    seed: int = option(0, "Seed of the run (data order, adapter initialisation).")
+    max_steps: int | None = option(None, "Optimizer steps; default: epochs over the data.", min=1)
+    epochs: float = option(1.0, "Passes over the data (when max_steps is not set).", min=0.0)
+    learning_rate: float = option(2e-5, "AdamW learning rate.", min=0.0)
+    batch_size: int = option(8, "Examples per device and step.", min=1)
+    gradient_accumulation_steps: int = option(1, "Batches per optimizer step.", min=1)
+    max_length: int = option(1024, "Tokens of prompt + story; longer ones lose their end.", min=1)
+    logging_steps: int = option(10, "Log (and write history.jsonl) every N steps.", min=1)
+    save_steps: int = option(500, "Write checkpoint-<step>/ every N steps.", min=1)
+    report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
+
+    def _problems(self) -> list[str]:
+        from storyrl.training.rl.ppo.config import TRACKERS
+
+        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        return super()._problems() + [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}"
+                                      for t in trackers if t not in TRACKERS]
+
+    def trl_arguments(self, progress: bool) -> dict[str, Any]:
+        """These keys as TRL config arguments (TrainingArguments names), on
+        the CPU without CUDA, in bf16 on a GPU when ``precision`` says so."""
+        import torch
+
+        from storyrl.training.rl.policy import training_dtype
+
+        cuda = torch.cuda.is_available()
+        return dict(
+            output_dir=self.output_dir, seed=self.seed, max_steps=self.max_steps or -1,
+            num_train_epochs=self.epochs, learning_rate=self.learning_rate,
+            per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            max_length=self.max_length, logging_steps=self.logging_steps, save_steps=self.save_steps,
+            report_to=self.report_to, disable_tqdm=not progress,
+            use_cpu=not cuda, bf16=cuda and training_dtype(self.precision) == torch.bfloat16)
 
 
 @dataclass(kw_only=True)
