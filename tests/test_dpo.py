@@ -342,14 +342,14 @@ def test_config_errors_are_one_line(assets, tmp_path, extra, message):
 
 
 @pytest.mark.parametrize("lines, message", [
-    (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}', "{oops"], r"pairs\.jsonl:2: not JSON"),
-    (['{"prompt": "p", "chosen": "", "rejected": "b ."}'], r"pairs\.jsonl:1: 'chosen' must be"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}', "{oops"], r"pairs\.jsonl: line 2: invalid JSON"),
+    (['{"prompt": "p", "chosen": "", "rejected": "b ."}'], r"pairs\.jsonl: line 1: 'chosen' must be"),
     (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}', '{"prompt": "p", "chosen": " \\t ", "rejected": "b ."}'],
-     r"pairs\.jsonl:2: 'chosen' must be"),
-    (['{"prompt": "p", "chosen": "a .", "rejected": "\\n  "}'], r"pairs\.jsonl:1: 'rejected' must be"),
-    (['["p", "a", "b"]'], r"pairs\.jsonl:1: expected a JSON object"),
-    (['{"prompt": "p", "chosen": "a .", "rejected": "b .", "images": "x.png"}'], r":1: 'images' must be"),
-    (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}'], r":1: no images, so no template prompt"),
+     r"pairs\.jsonl: line 2: 'chosen' must be"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "\\n  "}'], r"pairs\.jsonl: line 1: 'rejected' must be"),
+    (['["p", "a", "b"]'], r"pairs\.jsonl: line 1: expected a JSON object"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "b .", "images": "x.png"}'], r": line 1: 'images' must be"),
+    (['{"prompt": "p", "chosen": "a .", "rejected": "b ."}'], r": line 1: no images, so no template prompt"),
     ([""], "no preference pairs"),
 ])
 def test_malformed_pairs_name_file_line_and_fault(assets, tmp_path, lines, message):
@@ -360,6 +360,21 @@ def test_malformed_pairs_name_file_line_and_fault(assets, tmp_path, lines, messa
     with pytest.raises(ValueError, match=message) as info:
         build_trainer(config(assets, tmp_path / "out", pairs=str(pairs)), progress=False)
     assert "\n" not in str(info.value) and str(pairs) in str(info.value)
+
+
+def test_file_prompts_need_a_prompt_and_template_prompts_do_not(assets, tmp_path):
+    from storyrl.training.dpo import dpo_dataset
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"chosen": STORY_A, "rejected": STORY_B, "images": ["a.png", "b.png"]}) + "\n",
+                     encoding="utf-8")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["chat"])
+    with pytest.raises(ValueError, match=r"pairs\.jsonl: line 1: no 'prompt' to train on"):
+        dpo_dataset(config(assets, tmp_path / "a", pairs=str(pairs), prompts="pairs"), "causal_lm", tokenizer)
+    rows = dpo_dataset(config(assets, tmp_path / "b", pairs=str(pairs)), "causal_lm", tokenizer)
+    assert len(rows) == 1 and isinstance(rows[0]["prompt"], list)  # RL's chat prompt for two images
 
 
 def test_vlm_policy_sees_the_sequence_image_and_trains(assets, tmp_path):

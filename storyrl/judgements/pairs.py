@@ -25,6 +25,15 @@ One JSON object per line (blank lines skipped):
 Other fields are ignored. Faults raise a one-line
 :class:`~storyrl.judgements.JudgementDataError` (``file: line n: fault``).
 
+Training rows
+-------------
+:func:`read_preference_rows` reads the same files as the trainers take them
+(``storyrl train dpo`` and ``reward_model``): TRL's preference format as
+``storyrl pairs`` writes it, rows kept as dicts. ``chosen`` and ``rejected``
+are required non-empty strings; ``prompt``, when given, a string or a
+conversation (list of messages); ``images`` a list of paths (default
+empty); ``story_id`` a string or null.
+
 VHED subsets
 ------------
 ``Ω3``, ``Ω4``, ``Ω5`` (agreement k, a 2 read as 3), ``Ω{4,5}``, and within
@@ -257,3 +266,41 @@ def load_pairs_jsonl(path: str | os.PathLike) -> list[PreferencePair]:
     if not pairs:
         raise JudgementDataError(f"{path}: no pairs")
     return pairs
+
+
+def read_preference_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a TRL preference-pairs JSONL (module docstring, "Training
+    rows"), each with its line number as ``_line``; a fault is one
+    :class:`~storyrl.judgements.JudgementDataError` (a ValueError)
+    ``file: line n: fault``."""
+    try:
+        lines = read_text(path).splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise JudgementDataError(f"{path}: cannot read: {exc}") from None
+    rows = []
+    for n, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {n}"
+        try:
+            row = json_loads(line)
+        except json.JSONDecodeError as exc:
+            raise JudgementDataError(f"{where}: invalid JSON: {exc.msg}") from None
+        if not isinstance(row, dict):
+            raise JudgementDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        for key in ("chosen", "rejected"):
+            if not isinstance(row.get(key), str) or not row[key].strip():
+                raise JudgementDataError(f"{where}: {key!r} must be a non-empty string (TRL preference format)")
+        prompt = row.get("prompt")
+        if prompt is not None and not (isinstance(prompt, str) or (
+                isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt))):
+            raise JudgementDataError(f"{where}: 'prompt' must be a string or a conversation (list of messages)")
+        images = row.get("images") or []
+        if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
+            raise JudgementDataError(f"{where}: 'images' must be a list of image paths")
+        if row.get("story_id") is not None and not isinstance(row["story_id"], str):
+            raise JudgementDataError(f"{where}: 'story_id' must be a string")
+        rows.append({**row, "images": images, "_line": n})
+    if not rows:
+        raise JudgementDataError(f"{path}: no preference pairs")
+    return rows

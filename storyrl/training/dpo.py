@@ -42,7 +42,7 @@ from storyrl.training.runs import guarded
 from storyrl.training.storyteller import RunResult, StorytellerConfig, TrlRunOptions, story_completion, turn_end
 
 __all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
-           "load_pairs", "train"]
+           "train"]
 
 #: TRL 1.16 DPOConfig's loss types.
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -116,38 +116,6 @@ class DPOResult(RunResult):
         return {**super().summary(), "last_loss": losses[-1] if losses else None}
 
 
-def load_pairs(path: str | Path) -> list[dict]:
-    """The rows of a preference-pairs JSONL; a malformed line is a one-line
-    ValueError naming the file, the line and the fault."""
-    rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                # A fault of the file's content, reported like the others.
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")  # noqa: TRY004
-            for key in ("chosen", "rejected"):
-                if not isinstance(row.get(key), str) or not row[key].strip():
-                    raise ValueError(f"{where}: {key!r} must be a non-empty story (string)")
-            prompt = row.get("prompt")
-            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                and all(isinstance(m, dict) for m in prompt))):
-                raise ValueError(f"{where}: 'prompt' must be a string or a conversation (list of messages)")
-            images = row.get("images") or []
-            if not isinstance(images, list) or not all(isinstance(i, str) for i in images):
-                raise ValueError(f"{where}: 'images' must be a list of image paths")
-            rows.append({**row, "images": images, "_line": number})
-    if not rows:
-        raise ValueError(f"{path}: no preference pairs")
-    return rows
-
-
 def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
     """TRL preference rows (prompt, chosen, rejected) of ``config.pairs``,
     the prompt as ``config.prompts`` says (module docs); no images column
@@ -155,6 +123,7 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
     from datasets import Dataset
 
     from storyrl.images import resolve_images
+    from storyrl.judgements.pairs import read_preference_rows
     from storyrl.training.rl.data import _Prompter
 
     if kind == "vlm" and config.prompts != "template":
@@ -163,13 +132,16 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
     prompter = _Prompter(config, kind, processing_class) if config.prompts == "template" else None
     end = turn_end(processing_class)
     rows = []
-    for pair in load_pairs(config.pairs):
-        where = f"{config.pairs}:{pair['_line']}"
+    for pair in read_preference_rows(config.pairs):
+        where = f"{config.pairs}: line {pair['_line']}"
         if prompter is not None:
             if not pair["images"]:
                 raise ValueError(f"{where}: no images, so no template prompt (it needs the image count); give the "
                                  "pair its images or set prompts: pairs")
             prompt = prompter.prompt(len(pair["images"]))
+        elif pair.get("prompt") is None:
+            raise ValueError(f"{where}: no 'prompt' to train on; give the pairs their prompts or set prompts: "
+                             "template")
         else:
             prompt = pair["prompt"]
         row = {"prompt": prompt, "chosen": story_completion(prompt, pair["chosen"], end),

@@ -101,27 +101,10 @@ class RewardModelResult(RunResult):
 
 
 def read_pairs(path: str | Path) -> list[dict[str, Any]]:
-    """The pairs of a JSONL file (one-line ValueError naming the line at fault)."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"pairs {path}: line {n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: invalid JSON ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: a pair is a JSON object")  # noqa: TRY004  (bad data, one ValueError kind)
-        for key in ("chosen", "rejected"):
-            if not isinstance(row.get(key), str) or not row[key].strip():
-                raise ValueError(f"{where}: {key!r} must be a non-empty string (TRL preference format)")
-        if row.get("story_id") is not None and not isinstance(row["story_id"], str):
-            raise ValueError(f"{where}: 'story_id' must be a string")
-        rows.append({**row, "_line": n})
-    if not rows:
-        raise ValueError(f"pairs {path}: no pairs")
-    return rows
+    """The pairs of a JSONL file (:func:`storyrl.judgements.pairs.read_preference_rows`)."""
+    from storyrl.judgements.pairs import read_preference_rows
+
+    return read_preference_rows(path)
 
 
 def shared_prompt(rows: list[dict[str, Any]], path: str) -> str:
