@@ -89,3 +89,41 @@ def test_resolve_dtype_follows_resolve_precision():
     assert resolve_dtype("auto", cuda) is torch.float16 and resolve_dtype("auto", cpu) is torch.float32
     with pytest.raises(ValueError, match="precision"):
         resolve_dtype("fp8", cpu)
+
+
+# -- caches: a request larger than the in-memory cache --------------------------------------------
+
+
+def test_fetch_returns_every_vector_even_past_the_cache_size():
+    from storyrl.models.caches import LruDict
+
+    cache = LruDict(2)
+    calls = []
+
+    def encode(items):
+        calls.append(list(items))
+        return [f"v{item}" for item in items]
+
+    vectors, encoded = cache.fetch({k: k for k in range(5)}, encode, batch_size=2)
+    assert vectors == {k: f"v{k}" for k in range(5)} and encoded == 5
+    assert calls == [[0, 1], [2, 3], [4]] and list(cache) == [3, 4]  # the cache keeps only the last two
+    vectors, encoded = cache.fetch({3: 3, 9: 9}, encode, batch_size=8)
+    assert vectors == {3: "v3", 9: "v9"} and encoded == 1  # 3 from the cache, 9 encoded
+
+
+def test_clip_embeds_more_regions_and_texts_in_one_call_than_it_caches(tiny_clip, images):
+    """The vectors were read back from the LRU after embedding: a call with
+    more distinct items than it keeps raised KeyError for the first ones."""
+    import numpy as np
+
+    from storyrl.images import GridRegions, load_regions
+    from storyrl.models.clip import ClipEmbedder, ClipSpec
+
+    spec = ClipSpec(tiny_clip, "openai", device="cpu", precision="fp32")
+    small, large = ClipEmbedder(spec, batch_size=2, max_cached=3), ClipEmbedder(spec, batch_size=2)
+    regions = [r for sequence in GridRegions(2).regions(list(images)) for r in sequence]
+    assert len(regions) > 3
+    np.testing.assert_allclose(small.embed_regions(regions, load_regions),
+                               large.embed_regions(regions, load_regions), atol=1e-6)
+    texts = [f"a story about thing {k} ." for k in range(6)]
+    np.testing.assert_allclose(small.embed_texts(texts), large.embed_texts(texts), atol=1e-6)

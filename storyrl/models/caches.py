@@ -34,16 +34,28 @@ class LruDict(OrderedDict):
         while len(self) > self.maxsize:
             self.popitem(last=False)
 
-    def fill(self, items: Mapping[Hashable, Any], encode: Callable[[list], Iterable], batch_size: int) -> int:
-        """Encode the ``{key: item}`` not cached yet, ``batch_size`` items per
-        ``encode(items)`` call (one vector per item), and cache the vectors
-        under their keys; returns how many items were encoded."""
-        todo = [(key, item) for key, item in items.items() if self.get_fresh(key) is None]
+    def fetch(self, items: Mapping[Hashable, Any], encode: Callable[[list], Iterable],
+              batch_size: int) -> tuple[dict[Hashable, Any], int]:
+        """The vector of every ``{key: item}``: cached ones from the cache,
+        the others encoded ``batch_size`` items per ``encode(items)`` call
+        (one vector per item) and cached under their keys. Returns
+        ``({key: vector}, number encoded)``; the vectors are held here, so a
+        request of more items than the cache keeps is whole (reading them
+        back from the cache after filling it lost the first ones)."""
+        found: dict[Hashable, Any] = {}
+        todo = []
+        for key, item in items.items():
+            value = self.get_fresh(key)
+            if value is None:
+                todo.append((key, item))
+            else:
+                found[key] = value
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             for (key, _), vec in zip(chunk, encode([item for _, item in chunk])):
                 self.put(key, vec)
-        return len(todo)
+                found[key] = vec
+        return found, len(todo)
 
 
 class DiskEmbeddingCache:

@@ -96,8 +96,9 @@ class ClipEmbedder:
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """``[len(texts), dim]`` float32, rows L2-normalised."""
         with self._lock:
-            self.stats["texts_embedded"] += self.texts.fill({t: t for t in texts}, self._encode_texts, self.batch_size)
-            return np.stack([self.texts[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
+            vecs, encoded = self.texts.fetch({t: t for t in texts}, self._encode_texts, self.batch_size)
+            self.stats["texts_embedded"] += encoded
+            return np.stack([vecs[t] for t in texts]) if texts else np.zeros((0, 0), np.float32)
 
     def _encode_texts(self, texts: list[str]) -> np.ndarray:
         torch = self._torch
@@ -117,11 +118,18 @@ class ClipEmbedder:
         ``load(regions)`` returns their PIL images (called only for regions not
         cached). ``[len(regions), dim]`` float32, rows L2-normalised."""
         with self._lock:
-            todo = list({r.key: r for r in regions if self.regions.get_fresh(r.key) is None}.values())
+            # Vectors held here, not read back from the LRU: a call with more
+            # regions than it keeps would lose the first ones.
+            got = {}
+            for r in regions:
+                if r.key not in got and (vec := self.regions.get_fresh(r.key)) is not None:
+                    got[r.key] = vec
+            todo = list({r.key: r for r in regions if r.key not in got}.values())
             if todo and self.disk is not None:
                 found = self.disk.get_many([r.key for r in todo])
                 for key, vec in found.items():
                     self.regions.put(key, vec)
+                got.update(found)
                 self.stats["regions_from_disk"] += len(found)
                 todo = [r for r in todo if r.key not in found]
             for start in range(0, len(todo), self.batch_size):
@@ -130,12 +138,13 @@ class ClipEmbedder:
                 new = {r.key: v for r, v in zip(chunk, vecs)}
                 for key, vec in new.items():
                     self.regions.put(key, vec)
+                got.update(new)
                 if self.disk is not None:
                     self.disk.put_many(new)
             self.stats["regions_embedded"] += len(todo)
             if not regions:
                 return np.zeros((0, 0), np.float32)
-            return np.stack([self.regions[r.key] for r in regions])
+            return np.stack([got[r.key] for r in regions])
 
     def _encode_images(self, images: list) -> np.ndarray:
         torch = self._torch

@@ -156,10 +156,11 @@ class CosmicEncoders:
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
         """``[len(texts), text_dim]`` float32 [CLS] vectors, each text run once."""
         with self._lock:
-            self.stats["texts_embedded"] += self.texts.fill({t: t for t in texts}, self._encode_texts, self.batch_size)
+            vecs, encoded = self.texts.fetch({t: t for t in texts}, self._encode_texts, self.batch_size)
+            self.stats["texts_embedded"] += encoded
             if not texts:
                 return np.zeros((0, self.text_dim), np.float32)
-            return np.stack([self.texts[t] for t in texts])
+            return np.stack([vecs[t] for t in texts])
 
     def _encode_texts(self, texts: list[str]) -> np.ndarray:
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.spec.max_length,
@@ -176,11 +177,12 @@ class CosmicEncoders:
 
         regions = [Region(s) for s in sources]
         with self._lock:
-            self.stats["images_embedded"] += self.images.fill(
+            vecs, encoded = self.images.fetch(
                 {r.key: r for r in regions}, lambda chunk: self._encode_images(load_regions(chunk)), self.batch_size)
+            self.stats["images_embedded"] += encoded
         if not regions:
             return np.zeros((0, self.image_dim), np.float32)
-        return np.stack([self.images[r.key] for r in regions])
+        return np.stack([vecs[r.key] for r in regions])
 
     def _encode_images(self, images: list) -> np.ndarray:
         pixels = torch.stack([self.preprocess(im) for im in images]).to(self.device, self.dtype)

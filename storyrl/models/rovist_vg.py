@@ -247,11 +247,12 @@ class RovistVGEmbedder:
         """``[len(regions), dim]`` float32, rows L2-normalised; ``load(regions)``
         gives PIL images of the regions not cached yet."""
         with self._lock:
-            self.stats["regions_embedded"] += self.regions.fill(
+            vecs, encoded = self.regions.fetch(
                 {r.key: r for r in regions}, lambda chunk: self._encode_images(load(chunk)), batch_size)
+            self.stats["regions_embedded"] += encoded
             if not regions:
                 return np.zeros((0, self.model.embed_dim), np.float32)
-            return np.stack([self.regions[r.key] for r in regions])
+            return np.stack([vecs[r.key] for r in regions])
 
     def embed_phrases(self, phrases: Sequence[str], glove: GloVe, batch_size: int = 64) -> np.ndarray:
         """``[len(phrases), dim]`` float32, rows L2-normalised; every phrase
