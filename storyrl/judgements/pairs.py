@@ -246,23 +246,28 @@ def _pair(obj: Any, where: str) -> PreferencePair:
     )
 
 
-def load_pairs_jsonl(path: str | os.PathLike) -> list[PreferencePair]:
-    """Read and validate a JSONL file of preference pairs (module docstring)."""
-    path = Path(path)
+def _json_lines(path: str | os.PathLike):
+    """``(line number, "file: line n", object)`` for each non-blank line of a
+    JSONL file; an unreadable file or a line that is not JSON is one
+    :class:`~storyrl.judgements.JudgementDataError`."""
     try:
         lines = read_text(path).splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise JudgementDataError(f"{path}: cannot read: {exc}") from None
-    pairs = []
     for n, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         where = f"{path}: line {n}"
         try:
-            obj = json_loads(line)
+            yield n, where, json_loads(line)
         except json.JSONDecodeError as exc:
             raise JudgementDataError(f"{where}: invalid JSON: {exc.msg}") from None
-        pairs.append(_pair(obj, where))
+
+
+def load_pairs_jsonl(path: str | os.PathLike) -> list[PreferencePair]:
+    """Read and validate a JSONL file of preference pairs (module docstring)."""
+    path = Path(path)
+    pairs = [_pair(obj, where) for _, where, obj in _json_lines(path)]
     if not pairs:
         raise JudgementDataError(f"{path}: no pairs")
     return pairs
@@ -273,19 +278,8 @@ def read_preference_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     rows"), each with its line number as ``_line``; a fault is one
     :class:`~storyrl.judgements.JudgementDataError` (a ValueError)
     ``file: line n: fault``."""
-    try:
-        lines = read_text(path).splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise JudgementDataError(f"{path}: cannot read: {exc}") from None
     rows = []
-    for n, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {n}"
-        try:
-            row = json_loads(line)
-        except json.JSONDecodeError as exc:
-            raise JudgementDataError(f"{where}: invalid JSON: {exc.msg}") from None
+    for n, where, row in _json_lines(path):
         if not isinstance(row, dict):
             raise JudgementDataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         for key in ("chosen", "rejected"):
