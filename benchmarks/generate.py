@@ -215,11 +215,44 @@ def _tokenizer(texts, size: int):
     ``w0 w1 ...`` so that it has exactly ``size`` entries."""
     from tiny_models import vlm_tokenizer
 
-    base = len(vlm_tokenizer(texts))
-    filler = " ".join(f"w{i}" for i in range(max(0, size - base)))
-    tok = vlm_tokenizer([*texts, filler])
-    assert len(tok) == size, (len(tok), size)
-    return tok
+    return sized_tokenizer(vlm_tokenizer(texts), size)
+
+
+def sized_tokenizer(tokenizer, size: int):
+    """``tokenizer`` (a word-level ``PreTrainedTokenizerFast``) with filler
+    words ``w0 w1 ...`` appended to its vocabulary so that it has exactly
+    ``size`` entries (a real model's vocabulary, e.g. LLaVA-NeXT-7B's 32,064).
+
+    The words are written into the saved vocabulary rather than trained:
+    ``tokenizers``' WordLevelTrainer keeps at most 30,000 words by default,
+    which is what made every 7B build fail its size check."""
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    if len(tokenizer) > size:
+        raise ValueError(f"the tokenizer already has {len(tokenizer)} entries, more than {size}")
+    with tempfile.TemporaryDirectory(prefix="storyrl_vocab_") as tmp:
+        tokenizer.save_pretrained(tmp)
+        path = Path(tmp) / "tokenizer.json"
+        state = json.loads(path.read_text(encoding="utf-8"))
+        vocab = state["model"]["vocab"]
+        if not isinstance(vocab, dict):
+            raise ValueError(f"not a word-level vocabulary: {state['model'].get('type')}")
+        taken = {*vocab, *(t["content"] for t in state.get("added_tokens", []))}
+        next_id = 1 + max([*vocab.values(), *(t["id"] for t in state.get("added_tokens", []))])
+        k = 0
+        while next_id < size:
+            word = f"w{k}"
+            k += 1
+            if word not in taken:
+                vocab[word] = next_id
+                next_id += 1
+        path.write_text(json.dumps(state), encoding="utf-8")
+        out = AutoTokenizer.from_pretrained(tmp)
+    if len(out) != size:
+        raise ValueError(f"vocabulary of {len(out)} entries, wanted {size}")
+    return out
 
 
 def write_data(directory: Path, n_stories: int, size: tuple[int, int], seed: int = 0) -> Path:

@@ -312,11 +312,33 @@ def _one_pair_per_forward(loaded, pairs: list[tuple[str, str]], kind: str):
     return np.asarray(out)
 
 
+ALBERT_VOCAB, BERT_VOCAB = 30000, 30522  # albert-large-v2's and bert-large-uncased's (SimCSE's) vocabularies
+
+
+def rovist_tokenizer(texts: list[str], tiny: bool):
+    """benchmarks/coherence.py's word-level ALBERT tokenizer over ``texts``;
+    at full size filled up to ALBERT's 30,000 entries, so that the embedding
+    table is the real model's."""
+    import coherence as coherence_bench
+    import generate as gen
+
+    tokenizer = coherence_bench.build_tokenizer(texts)
+    return tokenizer if tiny else gen.sized_tokenizer(tokenizer, ALBERT_VOCAB)
+
+
+def vrank_tokenizer(texts: list[str], directory: Path, tiny: bool):
+    """The tests' BERT WordPiece tokenizer over ``texts``; at full size filled
+    up to BERT's 30,522 entries."""
+    import generate as gen
+    from tiny_models import bert_wordpiece_tokenizer
+
+    tokenizer = bert_wordpiece_tokenizer(texts, directory)
+    return tokenizer if tiny else gen.sized_tokenizer(tokenizer, BERT_VOCAB)
+
+
 def part_pairs(ctx: Context, section: Section) -> None:
-    import coherence as coherence_bench  # benchmarks/coherence.py: its word-level ALBERT tokenizer
     import numpy as np
     import torch
-    from tiny_models import bert_wordpiece_tokenizer
     from transformers import AlbertConfig, BertConfig
 
     from storyrl.models.coherence import CoherenceModel
@@ -334,7 +356,7 @@ def part_pairs(ctx: Context, section: Section) -> None:
     with row(section, "RoViST-C"):
         ctx.budget.check(20 if ctx.tiny else 90, "RoViST-C")
         free_memory()
-        tokenizer = coherence_bench.build_tokenizer(stories)
+        tokenizer = rovist_tokenizer(stories, ctx.tiny)
         torch.manual_seed(0)
         config = AlbertConfig(vocab_size=len(tokenizer), **(TINY_ALBERT if ctx.tiny else ALBERT_LARGE))
         CoherenceModel.from_config(config).save_pretrained(tmp / "coherence", tokenizer)
@@ -357,7 +379,7 @@ def part_pairs(ctx: Context, section: Section) -> None:
     with row(section, "Vrank"):
         ctx.budget.check(20 if ctx.tiny else 90, "Vrank")
         free_memory()
-        tokenizer = bert_wordpiece_tokenizer(stories + others, tmp / "bert_vocab")
+        tokenizer = vrank_tokenizer(stories + others, tmp / "bert_vocab", ctx.tiny)
         torch.manual_seed(0)
         config = BertConfig(vocab_size=len(tokenizer), **(TINY_BERT if ctx.tiny else BERT_LARGE))
         VrankModel.from_config(config).save_pretrained(tmp / "vrank", tokenizer)

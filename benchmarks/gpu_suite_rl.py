@@ -81,15 +81,25 @@ def rl_options(extra: dict):
             del RLConfig.from_mapping
 
 
+LLAMA2_VOCAB = 32000
+
+
+def llama_tokenizer(texts: list[str]):
+    """The tests' word-level chat tokenizer over ``texts``, filled up to
+    LLaMA-2's 32,000 entries (generate.py's ``sized_tokenizer``)."""
+    import generate as gen
+    from tiny_models import chat_tokenizer
+
+    return gen.sized_tokenizer(chat_tokenizer(texts), LLAMA2_VOCAB)
+
+
 def _build_llama_7b(directory: Path, texts: list[str], device: str) -> str:
     """LLaMA-2-7B's architecture, random fp16 weights made on the GPU, with a
     word-level chat tokenizer padded with filler words to 32,000 entries."""
     import torch
-    from tiny_models import chat_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    base = len(chat_tokenizer(texts))
-    tokenizer = chat_tokenizer([*texts, " ".join(f"w{i}" for i in range(32000 - base))])
+    tokenizer = llama_tokenizer(texts)
     config = LlamaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **LLAMA2_7B)
     torch.manual_seed(0)

@@ -527,3 +527,28 @@ def test_deepspeed_launch_exit_status(tmp_path, monkeypatch):
     assert (r["steps logged"], r["mean step (s)"], r["run incl. start (s)"]) == ("3", "2", "12")
     zero2 = str(REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml")
     assert launched == [["--config_file", zero2, "--num_processes", "1"]] * 2
+
+
+def test_vocabularies_reach_the_real_sizes(tmp_path):
+    """Every tokenizer the suite builds at full size has its architecture's
+    vocabulary size (tokenizers' WordLevelTrainer stops at 30,000 words by
+    default: LLaVA-NeXT-7B's 32,064 once failed its own check on the GPU)."""
+    import generate as gen
+
+    texts = [gen.PROMPTS_FILE.read_text(), gen.EXTRA_WORDS]
+    llava = gen._tokenizer(texts, gen.SHAPES["7b"]["vocab"])
+    assert len(llava) == gen.SHAPES["7b"]["vocab"] == 32064
+    assert llava.convert_tokens_to_ids("<image>") != llava.unk_token_id and llava.image_token == "<image>"
+    assert llava.decode(llava("[INST] <image>\nthe dog w31000 [/INST]").input_ids) == "[INST] <image> the dog w31000 [/INST]"
+    llama = gpu_suite_rl.llama_tokenizer(texts)
+    assert len(llama) == 32000 and llama.chat_template and llama.eos_token == "[EOS]"
+    stories = gpu_suite_parts.synthetic_stories(8)
+    albert = gpu_suite_parts.rovist_tokenizer(stories, tiny=False)
+    assert len(albert) == 30000
+    assert set(albert("the dog .", "a cat .")) >= {"input_ids", "token_type_ids"}
+    bert = gpu_suite_parts.vrank_tokenizer(stories, tmp_path / "bert", tiny=False)
+    assert len(bert) == 30522
+    # the words of the texts keep their ids; only filler words are added
+    assert gen.sized_tokenizer(llava, 32064).get_vocab() == llava.get_vocab()
+    with pytest.raises(ValueError, match="more than 10"):
+        gen.sized_tokenizer(llava, 10)
