@@ -231,7 +231,7 @@ def test_config_files(tmp_path, model_dir):
     config = VrankTrainConfig.from_yaml(repo / "configs" / "training" / "vrank.yaml", output_dir=str(tmp_path))
     # The paper's settings (VHED App.).
     assert (config.lr, config.epochs, config.batch_size, config.seed) == (2e-5, 30, 32, 7777)
-    assert (config.optimizer, config.weight_decay, config.lr_decay, config.mixed_precision) == ("adam", 0.0, 1.0, "fp16")
+    assert (config.optimizer, config.weight_decay, config.lr_decay, config.mixed_precision) == ("adam", 0.0, 1.0, "auto")
     assert config.base_model == "princeton-nlp/sup-simcse-bert-base-uncased" and config.target == "label"
     r = load_reward_config(repo / "configs" / "rewards" / "vrank.yaml", {"model": model_dir})
     assert r.name == "vrank" and r.model == model_dir and r.symmetric is False

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from storyrl.config import Config, option
+from storyrl.training.accelerators import MIXED_PRECISIONS
 
 __all__ = ["TrainConfig"]
 
@@ -31,7 +32,8 @@ class TrainConfig(Config):
     val_fraction: float = option(0.15, "Fraction of the data held out for validation, in (0, 1).")
     seed: int = option(0, "Seed of the split, the initialisation and the data order.")
     max_steps: int | None = option(None, "Stop after this many optimizer steps (smoke tests).", min=1)
-    mixed_precision: str = option("no", "accelerate mixed precision.", choices=("no", "fp16", "bf16"))
+    mixed_precision: str = option("no", "Mixed precision: no (fp32), fp16 (autocast + loss scaling, CUDA or CPU), "
+                                  "bf16 (autocast), auto (fp16 on CUDA, no on the CPU).", choices=MIXED_PRECISIONS)
     num_workers: int = option(0, "DataLoader worker processes.", min=0)
     log_every: int = option(50, "Log the training loss every this many steps.", min=1)
 

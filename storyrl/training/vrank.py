@@ -31,8 +31,9 @@ training stops after ``patience`` epochs without improvement. With a
 ``test_csv`` (or test split), the best model's test loss and accuracy are
 written to ``output_dir/test_metrics.json``.
 
-Deviations: without CUDA, ``mixed_precision: fp16`` runs in fp32 (logged);
-the paper's MLM pre-training of SimCSE on VIST stories is not part of this
+Deviations: ``mixed_precision`` defaults to ``auto``, the authors' fp16 on
+CUDA and fp32 (``no``) on the CPU, where fp16 autocast works but is slow
+(``fp16`` asks for it anywhere); the paper's MLM pre-training of SimCSE on VIST stories is not part of this
 trainer (give its result as ``base_model``). The result (``output_dir/best``)
 is a Vrank directory: ``create_reward("vrank", model="<output_dir>/best")``.
 """
@@ -50,6 +51,7 @@ import torch
 
 from storyrl.config import option
 from storyrl.training import Trainer
+from storyrl.training.accelerators import MIXED_PRECISIONS
 from storyrl.training.config import TrainConfig
 from storyrl.training.loop import FitResult, fit
 from storyrl.training.runs import guarded, process_state
@@ -148,8 +150,9 @@ class VrankTrainConfig(TrainConfig):
     lr_decay: float = option(1.0, "ExponentialLR gamma per epoch (1: constant, the paper).")
     val_fraction: float = option(0.1, "Fraction of the image sequences held out for validation (with vhed).")
     seed: int = option(7777, "Seed of the split, the initialisation and the data order.")
-    mixed_precision: str = option("fp16", "accelerate mixed precision (fp16 runs as no without CUDA).",
-                                  choices=("no", "fp16", "bf16"))
+    mixed_precision: str = option("auto", "Mixed precision: auto = fp16 (the paper's) on CUDA, no (fp32) on the "
+                                  "CPU; no, fp16 (autocast + loss scaling) or bf16 anywhere.",
+                                  choices=MIXED_PRECISIONS)
 
     def _problems(self) -> list[str]:
         problems = super()._problems()
