@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.models.caches import DiskEmbeddingCache, LruDict
-from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
+from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
 
 
 @dataclass(frozen=True)
@@ -84,13 +84,22 @@ class ClipEmbedder:
         self.model = model.eval()
         self.preprocess = preprocess
         self.tokenizer = open_clip.get_tokenizer(spec.model)
-        self.dtype = next(model.parameters()).dtype
+        self.dtype = image_input_dtype(model)
         self._torch = torch
+        check_runs(self._probe, f"CLIP model {spec.model!r}", self.precision, self.device)
         self.texts = LruDict(max_cached)
         self.regions = LruDict(max_cached)
         self.disk: DiskEmbeddingCache | None = None
         self.stats = {"texts_embedded": 0, "regions_embedded": 0, "regions_from_disk": 0}
         self._lock = threading.Lock()
+
+    def _probe(self):
+        """One blank image and one text through the towers (no cache, no stats)."""
+        from PIL import Image
+
+        images = self._encode_images([Image.new("RGB", (32, 32))])
+        texts = self._encode_texts(["a photo"])
+        return self._torch.from_numpy(np.concatenate([images, texts]))
 
     # -- texts --------------------------------------------------------------
     def embed_texts(self, texts: Sequence[str]) -> np.ndarray:
@@ -104,8 +113,9 @@ class ClipEmbedder:
         torch = self._torch
         tokens = self.tokenizer(texts).to(self.device)
         with torch.inference_mode():
-            feats = _encode_text_trimmed(self.model, tokens)
-            feats = torch.nn.functional.normalize(feats.float(), dim=-1)
+            feats = _encode_text_trimmed(self.model, tokens).float()
+            check_finite(feats, f"CLIP model {self.spec.model!r} (text)", self.precision)
+            feats = torch.nn.functional.normalize(feats, dim=-1)
         return feats.cpu().numpy()
 
     # -- regions ------------------------------------------------------------
@@ -152,9 +162,26 @@ class ClipEmbedder:
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             pixels = torch.stack(list(pool.map(self.preprocess, images)))
         with torch.inference_mode():
-            feats = self.model.encode_image(pixels.to(self.device, self.dtype))
-            feats = torch.nn.functional.normalize(feats.float(), dim=-1)
+            feats = self.model.encode_image(pixels.to(self.device, self.dtype)).float()
+            check_finite(feats, f"CLIP model {self.spec.model!r} (images)", self.precision)
+            feats = torch.nn.functional.normalize(feats, dim=-1)
         return feats.cpu().numpy()
+
+
+def image_input_dtype(model):
+    """The dtype the image tower's first layer computes in, which the pixels
+    must match. Not the model's first parameter: open_clip's fp16/bf16 casts
+    only conv/linear/attention weights and keeps embeddings (the first
+    parameters) in fp32, while timm towers are cast whole. The first conv or
+    linear layer of ``model.visual`` is the patch embedding of a ViT, the stem
+    of a ResNet and of a timm trunk alike."""
+    import torch
+    from torch import nn
+
+    for module in model.visual.modules():
+        if isinstance(module, (nn.Conv2d, nn.Linear)) and module.weight.is_floating_point():
+            return module.weight.dtype
+    return torch.float32
 
 
 def _encode_text_trimmed(model, tokens):

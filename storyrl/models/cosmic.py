@@ -43,7 +43,14 @@ import torch
 from torch import nn
 
 from storyrl.models.caches import LruDict
-from storyrl.models.runtime import resolve_device, resolve_dtype, resolve_precision, shared_model
+from storyrl.models.runtime import (
+    check_finite,
+    check_runs,
+    resolve_device,
+    resolve_dtype,
+    resolve_precision,
+    shared_model,
+)
 
 DEFAULT_LABELS = ("Meta", "Visible", "Subjective", "Story")
 DEFAULT_IMAGE_MODEL = "resnetv2_50.a1h_in1k"
@@ -94,13 +101,17 @@ class CosmicEncoders:
                  max_cached: int = 200_000) -> None:
         self.spec = spec
         self.device = resolve_device(device)
+        self.precision = resolve_precision(precision, self.device)
         self.dtype = resolve_dtype(precision, self.device)
         self.batch_size = batch_size
         require_encoders(spec)
+        # Both towers are cast whole to self.dtype, and so are their pixel inputs.
         self._load_image_tower()
         self._load_text_encoder()
         for model in (self.image_model, self.text_model):
             model.eval().requires_grad_(False)
+        check_runs(self._probe, f"COSMiC encoders ({spec.image_model}, {spec.text_model})", self.precision,
+                   self.device)
         self.images = LruDict(max_cached)
         self.texts = LruDict(max_cached)
         self.stats = {"images_embedded": 0, "texts_embedded": 0}
@@ -138,6 +149,15 @@ class CosmicEncoders:
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.text_model)
         self.text_model = AutoModel.from_pretrained(self.spec.text_model).to(self.device, self.dtype)
 
+    def _probe(self):
+        """One blank image and one text through the towers (no cache, no stats)."""
+        from PIL import Image
+
+        image = self._encode_images([Image.new("RGB", (32, 32))])
+        self._image_dim = int(image.shape[1])
+        text = self._encode_texts(["a photo"])
+        return torch.from_numpy(np.concatenate([image.ravel(), text.ravel()]))
+
     # -- dimensions -------------------------------------------------------------
     @property
     def text_dim(self) -> int:
@@ -166,8 +186,9 @@ class CosmicEncoders:
         batch = self.tokenizer(texts, padding=True, truncation=True, max_length=self.spec.max_length,
                                return_tensors="pt").to(self.device)
         with torch.inference_mode():
-            hidden = self.text_model(**batch).last_hidden_state
-        return hidden[:, 0].float().cpu().numpy()
+            hidden = self.text_model(**batch).last_hidden_state[:, 0].float()
+        check_finite(hidden, f"COSMiC text encoder {self.spec.text_model}", self.precision)
+        return hidden.cpu().numpy()
 
     def embed_images(self, sources: Sequence[Any]) -> np.ndarray:
         """``[len(sources), image_dim]`` float32 for file paths or PIL images,
@@ -187,8 +208,9 @@ class CosmicEncoders:
     def _encode_images(self, images: list) -> np.ndarray:
         pixels = torch.stack([self.preprocess(im) for im in images]).to(self.device, self.dtype)
         with torch.inference_mode():
-            feats = self._image_forward(pixels)
-        return feats.float().reshape(len(images), -1).cpu().numpy()
+            feats = self._image_forward(pixels).float()
+        check_finite(feats, f"COSMiC image tower {self.spec.image_model}", self.precision)
+        return feats.reshape(len(images), -1).cpu().numpy()
 
 
 def require_encoders(spec: EncoderSpec, image_hint: str = "set image_pretrained to a local weights file",
@@ -351,7 +373,7 @@ def load_cosmic(model: str, device=None, precision: str = "auto", batch_size: in
     # shared_model's lock is not re-entrant: the encoders are fetched first,
     # named by the directory's config, not from inside the scorer's loader.
     encoders = cosmic_encoders(spec, dev, precision, batch_size)
-    key = ("cosmic", str(Path(model).resolve()), str(dev), precision)
+    key = ("cosmic", str(Path(model).resolve()), str(dev), resolve_precision(precision, dev))
     return shared_model(key, lambda: CosmicScorer(CosmicHead.from_pretrained(model), encoders))
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from storyrl.models.caches import LruDict
 from storyrl.models.glove import GloVe
-from storyrl.models.runtime import resolve_device, resolve_precision, shared_model
+from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
 
 __all__ = [
     "CONFIG_FILE",
@@ -234,8 +234,10 @@ class RovistVGEmbedder:
         self.device = resolve_device(device)
         self.precision = resolve_precision(precision, self.device)
         self.dtype = getattr(torch, _DTYPES[self.precision])
+        # Cast whole (timm ViT and projections alike): inputs are cast to self.dtype.
         self.model = RovistVGModel.from_pretrained(model_dir).to(self.device, self.dtype).eval()
         self.transform = self.model.image_transform()
+        check_runs(self._probe, f"RoViST-VG model {model_dir}", self.precision, self.device)
         self.regions = LruDict(max_cached)
         self.texts = LruDict(max_cached)
         self.stats = {"texts_embedded": 0, "regions_embedded": 0}
@@ -277,19 +279,29 @@ class RovistVGEmbedder:
                 return np.zeros((0, self.model.embed_dim), np.float32)
             return np.stack([self.texts[(source, p)] for p in phrases])
 
+    def _probe(self):
+        """One blank image and one word vector through the model (no cache, no stats)."""
+        from PIL import Image
+
+        images = self._encode_images([Image.new("RGB", (32, 32))])
+        texts = self._encode_vectors(np.ones((1, self.model.word_dim), np.float32))
+        return torch.from_numpy(np.concatenate([images, texts]))
+
     def _encode_images(self, images: list) -> np.ndarray:
         # PIL resizing releases the GIL: preprocess in threads.
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
             pixels = torch.stack(list(pool.map(self.transform, images)))
         with torch.inference_mode():
-            emb = self.model.embed_images(pixels.to(self.device, self.dtype))
-            emb = torch.nn.functional.normalize(emb.float(), dim=-1)
+            emb = self.model.embed_images(pixels.to(self.device, self.dtype)).float()
+            check_finite(emb, f"RoViST-VG model {self.model_dir} (images)", self.precision)
+            emb = torch.nn.functional.normalize(emb, dim=-1)
         return emb.cpu().numpy()
 
     def _encode_vectors(self, vectors: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            emb = self.model.embed_texts(torch.from_numpy(vectors).to(self.device, self.dtype))
-            emb = torch.nn.functional.normalize(emb.float(), dim=-1)
+            emb = self.model.embed_texts(torch.from_numpy(vectors).to(self.device, self.dtype)).float()
+            check_finite(emb, f"RoViST-VG model {self.model_dir} (nouns)", self.precision)
+            emb = torch.nn.functional.normalize(emb, dim=-1)
         return emb.cpu().numpy()
 
 

@@ -26,12 +26,30 @@ def resolve_device(device: str | None = None):
     return torch.device(device)
 
 
+class PrecisionError(ValueError):
+    """A precision a model cannot run in on its device: refused when the model
+    is set up (one line naming the ``precision`` option), never coerced."""
+
+
+class ModelFailure(RuntimeError):
+    """A model failed in a way no story causes (non-finite outputs): rewards
+    raise it once instead of giving every story NaN."""
+
+
 def resolve_precision(precision: str, device) -> str:
-    """"auto" → fp16 on CUDA (what the authors' CLIP runs in on GPU), fp32 elsewhere."""
+    """"auto" → fp16 on CUDA (what the authors' CLIP runs in on GPU), fp32
+    elsewhere. bf16 on a CUDA card without bf16 (before Ampere) is refused:
+    torch would emulate it or fail inside the first forward pass."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    kind = getattr(device, "type", str(device))
     if precision == "auto":
-        return "fp16" if getattr(device, "type", str(device)) == "cuda" else "fp32"
+        return "fp16" if kind == "cuda" else "fp32"
+    if precision == "bf16" and kind == "cuda":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise PrecisionError(f"precision bf16: {device} does not support bfloat16; use fp16 or fp32")
     return precision
 
 
@@ -40,6 +58,35 @@ def resolve_dtype(precision: str, device):
     import torch
 
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[resolve_precision(precision, device)]
+
+
+def check_finite(values, what: str, precision: str) -> None:
+    """ModelFailure unless every value of ``values`` (a model's float output,
+    tensor or array) is finite: fp16 overflows above 65504 into inf, and a
+    NaN score per story would hide that from the user."""
+    import torch
+
+    if not bool(torch.isfinite(torch.as_tensor(values)).all()):
+        hint = ("fp16 overflows above 65504: set the precision option to bf16 or fp32" if precision == "fp16"
+                else "set the precision option to fp32" if precision == "bf16"
+                else "the model's weights may be broken")
+        raise ModelFailure(f"{what} gave non-finite outputs at precision {precision}; {hint}")
+
+
+def check_runs(run: Callable[[], Any], what: str, precision: str, device) -> None:
+    """Run ``run()`` (a freshly loaded model on one tiny input, returning its
+    float output) once at load time, so that a precision the model cannot run
+    in on ``device`` is refused then, in one line naming the option, instead
+    of failing every story."""
+    try:
+        out = run()
+    except Exception as exc:
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        if precision == "fp32":
+            raise
+        raise PrecisionError(f"{what} cannot run at precision {precision} on {device} ({detail}); "
+                             "set the precision option to fp32") from exc
+    check_finite(out, what, precision)
 
 
 _SHARED: dict[Hashable, Any] = {}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from storyrl.config import Config, Configurable, option
-from storyrl.models.runtime import PRECISIONS
+from storyrl.models.runtime import PRECISIONS, ModelFailure
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,8 @@ class Reward(Configurable):
         scores = np.full(len(texts), np.nan)
         try:
             scores[:] = self._score_batch(texts, **context)  # (a result of the wrong length raises here)
+        except ModelFailure as exc:  # the model's failure, not a story's: once, not NaN per story
+            raise RewardError(f"reward {self.name!r}: {one_line(exc)}") from exc
         except Exception:
             return self._score_one_by_one(texts, index, context)
         self._ok += len(texts)
@@ -272,6 +274,8 @@ class Reward(Configurable):
                 scores.append(float(self._score_batch([text], **one)[0]))
                 self._ok += 1
                 self._errors_in_a_row = 0
+            except ModelFailure as exc:
+                raise RewardError(f"reward {self.name!r}: {one_line(exc)}") from exc
             except Exception as exc:
                 self._unscorable(type(exc).__name__, f"story {index[k]}: {exc}")
                 errors.append(exc)

@@ -46,6 +46,14 @@ def story_coherence(pair_scores: list[float]) -> float:
     return float(np.mean(pair_scores)) if len(pair_scores) else math.nan
 
 
+def _pair_logits(net, batch, device, dtype):
+    """The model's float32 logits of an :func:`encode_pairs` batch, run in ``dtype``."""
+    import torch
+
+    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        return net(**{k: v.to(device) for k, v in batch.items()}).float()
+
+
 @dataclass
 class CoherenceConfig(ModelConfig):
     model: str | None = option(None, "RoViST-C model: a storyrl coherence directory (storyrl train coherence) or "
@@ -72,8 +80,8 @@ class Coherence(Reward):
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
-        from storyrl.models.coherence import load_coherence_model
-        from storyrl.models.runtime import resolve_device, resolve_dtype, shared_model
+        from storyrl.models.coherence import encode_pairs, load_coherence_model
+        from storyrl.models.runtime import check_runs, resolve_device, resolve_dtype, resolve_precision, shared_model
 
         if self.model is None:
             raise ValueError(
@@ -81,13 +89,21 @@ class Coherence(Reward):
                 "(storyrl train coherence) or the authors' checkpoint with trust_checkpoint=True"
             )
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.precision, device)
+        precision = resolve_precision(self.precision, device)
+        dtype = resolve_dtype(precision, device)
 
         def load():
             net, tokenizer = load_coherence_model(self.model, self.base_model, self.trust_checkpoint)
-            return net.to(device).eval(), tokenizer
+            # The weights are held in the precision's dtype (what really runs;
+            # half the memory at fp16/bf16), and the forward pass runs under
+            # autocast too, which keeps its fp32 ops (softmax, layer norm on
+            # CUDA) in fp32.
+            net = net.to(device, dtype).eval()
+            check_runs(lambda: _pair_logits(net, encode_pairs(tokenizer, [("a b.", "c d.")]), device, dtype),
+                       f"coherence model {self.model}", precision, device)
+            return net, tokenizer
 
-        key = ("coherence", self.model, self.base_model, self.trust_checkpoint, str(device))
+        key = ("coherence", self.model, self.base_model, self.trust_checkpoint, str(device), precision)
         net, tokenizer = shared_model(key, load)
         return net, tokenizer, device, dtype
 
@@ -100,6 +116,7 @@ class Coherence(Reward):
         import torch
 
         from storyrl.models.coherence import encode_pairs
+        from storyrl.models.runtime import check_finite, resolve_precision
 
         net, tokenizer, device, dtype = self._loaded()
         unique = list(dict.fromkeys(pairs))
@@ -117,12 +134,11 @@ class Coherence(Reward):
                 end += 1
             batches.append(order[start:end])
             start = end
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-        with torch.inference_mode(), autocast:
-            for index in batches:
-                batch = encode_pairs(tokenizer, [unique[k] for k in index], self.max_length)
-                logits = net(**{k: v.to(device) for k, v in batch.items()}).float()
-                probs[index] = torch.softmax(logits, dim=-1)[:, 1].cpu().numpy()
+        for index in batches:
+            batch = encode_pairs(tokenizer, [unique[k] for k in index], self.max_length)
+            logits = _pair_logits(net, batch, device, dtype)
+            check_finite(logits, f"coherence model {self.model}", resolve_precision(self.precision, device))
+            probs[index] = torch.softmax(logits, dim=-1)[:, 1].cpu().numpy()
         row = {p: k for k, p in enumerate(unique)}
         return probs[[row[p] for p in pairs]] if pairs else probs
 

@@ -95,19 +95,23 @@ def score_texts(model: Any, tokenizer: Any, texts: list[str], max_length: int, b
     return out
 
 
-def load_reward_model(directory: str | Path, device: Any = "cpu"):
+def load_reward_model(directory: str | Path, device: Any = "cpu", dtype: Any = None):
     """(model, tokenizer) of a trained directory: full weights, or LoRA
-    adapters over their base (peft)."""
+    adapters over their base (peft). ``dtype``: the weights' dtype (None:
+    transformers' default, which is the dtype the checkpoint was saved in)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     directory = Path(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
+    kwargs = {} if dtype is None else {"dtype": dtype}
     if (directory / "adapter_config.json").is_file():
         from peft import AutoPeftModelForSequenceClassification
 
-        model = AutoPeftModelForSequenceClassification.from_pretrained(directory, num_labels=1)
+        # peft keeps the adapters in fp32 over an fp16/bf16 base; autocast in
+        # score_texts runs the mix.
+        model = AutoPeftModelForSequenceClassification.from_pretrained(directory, num_labels=1, **kwargs)
     else:
-        model = AutoModelForSequenceClassification.from_pretrained(directory)
+        model = AutoModelForSequenceClassification.from_pretrained(directory, **kwargs)
     if tokenizer.pad_token is None:  # TRL trained with EOS as the padding token
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -136,21 +140,33 @@ class RewardModel(Reward):
 
     def _loaded(self):
         """(model, tokenizer, metadata, device, dtype), loaded once per process."""
-        from storyrl.models.runtime import resolve_device, resolve_dtype, shared_model
+        from storyrl.models.runtime import check_runs, resolve_device, resolve_dtype, resolve_precision, shared_model
 
         if self.model is None:
             raise ValueError("reward_model needs model=<final/ directory of storyrl train reward_model>")
         metadata = read_metadata(self.model)
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.precision, device)
-        model, tokenizer = shared_model(("reward_model", str(Path(self.model).resolve()), str(device)),
-                                        lambda: load_reward_model(self.model, device))
+        precision = resolve_precision(self.precision, device)
+        dtype = resolve_dtype(precision, device)
+
+        def load():
+            # Loaded in the precision's dtype: transformers' default would keep
+            # the checkpoint's (a bf16-saved model would run bf16 at fp32).
+            model, tokenizer = load_reward_model(self.model, device, dtype)
+            check_runs(lambda: score_texts(model, tokenizer, ["a b."], 8, 1, device, dtype),
+                       f"reward model {self.model}", precision, device)
+            return model, tokenizer
+
+        key = ("reward_model", str(Path(self.model).resolve()), str(device), precision)
+        model, tokenizer = shared_model(key, load)
         return model, tokenizer, metadata, device, dtype
 
     def _setup(self) -> None:
         self._loaded()
 
     def _score_batch(self, stories: list[str], **_: Any) -> np.ndarray:
+        from storyrl.models.runtime import check_finite, resolve_precision
+
         model, tokenizer, metadata, device, dtype = self._loaded()
         out = np.full(len(stories), np.nan)
         keep = [i for i, s in enumerate(stories) if s.strip()]
@@ -158,6 +174,8 @@ class RewardModel(Reward):
             out[i] = self._unscorable("empty story")
         if keep:
             texts = [scored_text(stories[i], metadata.get("prompt")) for i in keep]
-            out[keep] = score_texts(model, tokenizer, texts, self.max_length or metadata["max_length"],
-                                    self.batch_size, device, dtype)
+            scores = score_texts(model, tokenizer, texts, self.max_length or metadata["max_length"],
+                                 self.batch_size, device, dtype)
+            check_finite(scores, f"reward model {self.model}", resolve_precision(self.precision, device))
+            out[keep] = scores
         return out

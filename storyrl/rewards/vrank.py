@@ -51,6 +51,14 @@ class VrankConfig(ModelConfig):
     symmetric: bool = option(False, "Average both orders of each pair (the paper reads one order).")
 
 
+def _gaps(net, batch, device, dtype):
+    """The model's float32 outputs for an encoded batch, run in ``dtype``."""
+    import torch
+
+    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        return net(**{k: v.to(device) for k, v in batch.items()}).float()
+
+
 def _valid(text: Any) -> bool:
     return isinstance(text, str) and bool(text.strip())
 
@@ -65,19 +73,24 @@ class Vrank(Reward):
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
-        from storyrl.models.runtime import resolve_device, resolve_dtype, shared_model
-        from storyrl.models.vrank import load_vrank_model
+        from storyrl.models.runtime import check_runs, resolve_device, resolve_dtype, resolve_precision, shared_model
+        from storyrl.models.vrank import encode_story_pairs, load_vrank_model
 
         if self.model is None:
             raise ValueError("vrank needs a trained model: model=<storyrl Vrank directory> (storyrl train vrank)")
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.precision, device)
+        precision = resolve_precision(self.precision, device)
+        dtype = resolve_dtype(precision, device)
 
         def load():
             net, tokenizer = load_vrank_model(self.model, self.tokenizer)
-            return net.to(device).eval(), tokenizer
+            # Weights in the precision's dtype, autocast on top (as coherence).
+            net = net.to(device, dtype).eval()
+            check_runs(lambda: _gaps(net, encode_story_pairs(tokenizer, ["a b."], ["c d."]), device, dtype),
+                       f"vrank model {self.model}", precision, device)
+            return net, tokenizer
 
-        net, tokenizer = shared_model(("vrank", self.model, self.tokenizer, str(device)), load)
+        net, tokenizer = shared_model(("vrank", self.model, self.tokenizer, str(device), precision), load)
         return net, tokenizer, device, dtype
 
     def _setup(self) -> None:
@@ -87,21 +100,20 @@ class Vrank(Reward):
     def predicted_gaps(self, firsts: Sequence[str], seconds: Sequence[str]) -> np.ndarray:
         """The model's raw output (avg_rank(first) - avg_rank(second)) for
         valid text pairs; pairs sorted by length into batches of ``batch_size``."""
-        import torch
-
+        from storyrl.models.runtime import check_finite, resolve_precision
         from storyrl.models.vrank import encode_story_pairs
 
         net, tokenizer, device, dtype = self._loaded()
         out = np.empty(len(firsts))
         order = sorted(range(len(firsts)), key=lambda k: len(firsts[k]) + len(seconds[k]))
-        autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-        with torch.inference_mode(), autocast:
-            for start in range(0, len(order), self.batch_size):
-                index = order[start : start + self.batch_size]
-                batch = encode_story_pairs(
-                    tokenizer, [firsts[k] for k in index], [seconds[k] for k in index], self.max_length
-                )
-                out[index] = net(**{k: v.to(device) for k, v in batch.items()}).float().cpu().numpy()
+        for start in range(0, len(order), self.batch_size):
+            index = order[start : start + self.batch_size]
+            batch = encode_story_pairs(
+                tokenizer, [firsts[k] for k in index], [seconds[k] for k in index], self.max_length
+            )
+            gaps = _gaps(net, batch, device, dtype)
+            check_finite(gaps, f"vrank model {self.model}", resolve_precision(self.precision, device))
+            out[index] = gaps.cpu().numpy()
         return out
 
     def _preferences(self, firsts: list[str], seconds: list[str]) -> np.ndarray:
