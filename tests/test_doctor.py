@@ -1,11 +1,13 @@
 """storyrl doctor: pieces derived from rewards and configs, found by cache and
 file lookups (a fake Hugging Face cache, a fake asset cache, a monkeypatched
-spaCy check and CUDA), exit codes, --json, and --fetch with fake downloaders."""
+spaCy check, no CUDA and no bitsandbytes), exit codes, --json, and --fetch
+with fake downloaders. The GPU lines: tests/test_doctor_gpu.py."""
 
 from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 
 import pytest
@@ -37,10 +39,12 @@ def env(tmp_path, monkeypatch):
             raise PipelineNotInstalled(f"spaCy pipeline {name!r} is not installed; install it with: x")
 
     monkeypatch.setattr("storyrl.noun_phrases.require_pipeline", require_pipeline)
-    monkeypatch.setattr(lib, "_installed", lambda module: f"/site/{module}" if module in installed else None)
+    monkeypatch.setattr("storyrl.doctor.checks._installed",
+                        lambda module: f"/site/{module}" if module in installed else None)
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not installed, whatever this machine has
 
     def no_network(*args, **kwargs):
         raise AssertionError(f"network access: {args}")
@@ -83,7 +87,9 @@ def pieces(*args: str) -> tuple[int, dict[tuple[str, str], dict]]:
 def test_model_free_reward_needs_nothing(env):
     result = run("-m", "repetition")
     assert result.exit_code == 0
-    assert result.output.strip() == "nothing to check: no model, pipeline, word list or file is needed"
+    # the GPU lines, then the verdict; a CPU build is fine when nothing needs a GPU
+    assert result.output.splitlines()[0].startswith("OK        torch ")
+    assert result.output.splitlines()[-1] == "nothing to check: no model, pipeline, word list or file is needed"
     assert pieces("-m", "repetition,bleu") == (0, {})
 
 
@@ -226,16 +232,17 @@ def test_offline_is_fast_and_opens_no_socket(env):
     result = run()
     assert time.perf_counter() - start < 10
     assert result.exit_code == 1
-    assert "MISSING   GPU torch (CUDA available)" in result.output
-    assert "get it: https://pytorch.org/get-started/locally/" in result.output
+    assert "MISSING   torch " in result.output
+    assert "get it: a CUDA build of torch: https://pytorch.org/get-started/locally/" in result.output
     assert "`storyrl doctor --fetch` downloads" in result.output.splitlines()[-1]
 
 
 def test_gpu_present(env, monkeypatch):
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "Fake GPU")
+    from test_doctor_gpu import simulate_gpu
+
+    simulate_gpu(monkeypatch, torch, "Fake GPU", 16, (8, 0), bf16=True)
     reqs = lib.check(lib.requirements(["clipscore"]))
     gpu = next(p for p in reqs.pieces if p.kind == "torch")
     assert gpu.present and "Fake GPU" in gpu.where
@@ -243,7 +250,7 @@ def test_gpu_present(env, monkeypatch):
 
 def test_fetch_calls_each_downloader_and_reports_failures(env, monkeypatch):
     calls = []
-    monkeypatch.setattr(lib, "hub_reachable", lambda: True)
+    monkeypatch.setattr("storyrl.doctor.fetching.hub_reachable", lambda: True)
 
     def snapshot_download(repo_id):
         calls.append(("hub", repo_id))
