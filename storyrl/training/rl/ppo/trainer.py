@@ -534,6 +534,27 @@ class PPOTrainer:
             metrics[key] = sum(stats[key]) / len(stats[key]) if stats[key] else math.nan
         return metrics
 
+    def _unscorable_reason(self, metrics: dict[str, float]) -> str:
+        """Why a step scored no story, naming only the rewards at fault. A
+        story counts only when every non-zero-weighted reward scores it
+        (:func:`combine_scores`), so a reward that scored every story can sit
+        beside one that scored none; naming both (as this message once did)
+        hid which one to fix, e.g. a random policy's word soup that ``dhm``
+        cannot score beside a finite ``bleu``."""
+        weighted = [n for n, w in zip(self.reward_names, self.reward_weights.tolist()) if w != 0]
+        none = [n for n in weighted if not math.isfinite(metrics.get(f"rewards/{n}/mean", math.nan))]
+        fix = "check what the rewards need (references, images, models)"
+        if none == weighted:
+            return f"{', '.join(none)} returned None/NaN for every completion (nothing to learn from); {fix}"
+        scored = [n for n in weighted if n not in none]
+        if none:
+            return (f"{', '.join(none)} returned None/NaN for every completion, and PPO scores a story only when "
+                    f"every reward with a non-zero weight scores it ({', '.join(scored)} did score; unlike "
+                    f"GRPO/RLOO, which sum the rewards that scored); {fix}, or give {', '.join(none)} weight 0 to "
+                    "log it only")
+        return (f"every reward scored some stories but none scored all of {', '.join(weighted)} (PPO scores a "
+                f"story only when every reward with a non-zero weight scores it); {fix}")
+
     def _story_stats(self, rollout: Rollout) -> dict[str, float]:
         """Length and diversity of every process's stories (monitor.story_stats)."""
         texts, lengths = rollout.texts, rollout.story_token_lengths()
@@ -599,10 +620,7 @@ class PPOTrainer:
                 if failed or self.step % args.logging_steps == 0 or self.step == self.num_steps:
                     self._log(metrics, samples)
                 if failed:  # every process stops here, before a checkpoint of the untrained policy
-                    raise RunFailedError(
-                        f"step {self.step}: no story was scorable: {', '.join(self.reward_names)} returned None/NaN "
-                        f"for every completion (nothing to learn from); check what the rewards need (references, "
-                        f"images, models)")
+                    raise RunFailedError(f"step {self.step}: no story was scorable: {self._unscorable_reason(metrics)}")
                 if not math.isfinite(metrics["reward"]):
                     logger.warning("step %d: no story was scorable; the step made no update", self.step)
                 if args.save_steps is not None and (self.step % args.save_steps == 0 or self.step == self.num_steps):
