@@ -152,8 +152,8 @@ def test_t4_has_no_native_bf16(monkeypatch, rl_4bit):
     found = lines(result.output)
     # is_bf16_supported() alone says yes on a T4 (emulation): the doctor asks for native support
     for index in (0, 1):
-        assert found[f"cuda:{index} Tesla T4"] == ("WARN", "14.6 GiB, compute capability 7.5, bf16 no, fp16 yes")
-    assert "get it: no native bf16: set precision: fp16" in result.output
+        assert found[f"cuda:{index} Tesla T4"] == (
+            "WARN", "14.6 GiB, compute capability 7.5, bf16 no (emulated, slow: use fp16), fp16 yes")
     assert found["torch"][1].endswith("2 usable CUDA device(s): Tesla T4")
 
 
@@ -169,7 +169,7 @@ def test_no_gpu_fails_a_config_that_needs_cuda_and_4bit(monkeypatch, rl_4bit):
     assert probed == ["cpu"]  # the doctor's real round trip ran, on the CPU
     assert not any(label.startswith("cuda:") for label in found)
     assert "needed by rl.yaml; get it: a CUDA build of torch: https://pytorch.org/" in result.output
-    assert 'needed by rl.yaml; get it: pip install -e ".[quant]"' in result.output
+    assert "needed by rl.yaml; get it: a CUDA device (see torch's line)" in result.output  # installed already
     data = json.loads(run("--json", "--config", rl_4bit).output)
     assert data["missing"] == ["GPU torch (CUDA available)", "bitsandbytes (load_in_4bit)"]
 
@@ -204,6 +204,7 @@ def test_bitsandbytes_missing_fails_only_when_4bit_is_needed(monkeypatch, rl_4bi
     result = run("--config", rl_4bit)
     assert result.exit_code == 1
     assert lines(result.output)["bitsandbytes"] == ("MISSING", "not installed")
+    assert 'needed by rl.yaml; get it: pip install -e ".[quant]"' in result.output
     result = run("-m", "repetition")
     assert result.exit_code == 0
     assert lines(result.output)["bitsandbytes"] == ("optional", "not installed")
@@ -216,6 +217,7 @@ def test_bitsandbytes_broken(monkeypatch, rl_4bit):
     assert result.exit_code == 1
     detail = "import failed: CUDA Setup failed despite GPU being available. Inspect the output above"
     assert lines(result.output)["bitsandbytes"] == ("MISSING", detail)
+    assert "get it: pip install -U bitsandbytes" in result.output
     result = run("-m", "repetition")
     assert result.exit_code == 0
     assert lines(result.output)["bitsandbytes"] == ("WARN", detail)

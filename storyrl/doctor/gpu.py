@@ -18,6 +18,9 @@ from typing import Any
 
 from storyrl.doctor.pieces import QUANT_HINT, TORCH_HINT, Piece, Requirements
 
+# A bitsandbytes that imports badly or lacks this CUDA's library: usually older than the torch build.
+REINSTALL_BNB = "pip install -U bitsandbytes (a release with a library for torch's CUDA version)"
+
 #: Native bf16 needs compute capability 8.0 (Ampere) or newer; below that torch emulates it, slowly.
 BF16_CAPABILITY = (8, 0)
 
@@ -235,7 +238,7 @@ def check_pieces(facts: GpuFacts, reqs: Requirements) -> None:
     if torch_piece is not None:
         torch_piece.present, torch_piece.where = _torch_line(facts, torch_piece)[1:3]
     if bnb_piece is not None:
-        status, detail = _bnb_line(facts, bnb_piece)
+        status, detail, _ = _bnb_line(facts, bnb_piece)
         bnb_piece.present, bnb_piece.where = status == "OK", detail
 
 
@@ -259,21 +262,23 @@ def _torch_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, bool, str]:
     return "MISSING", False, build
 
 
-def _bnb_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, str]:
-    """(status, detail) of bitsandbytes' line."""
+def _bnb_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, str, str]:
+    """(status, detail, hint) of bitsandbytes' line."""
     bnb = facts.bitsandbytes
+    problem = "MISSING" if piece is not None and piece.required else "WARN"
     if bnb.state == "missing":
-        return _problem(piece), "not installed"
+        return _problem(piece), "not installed", QUANT_HINT
     if bnb.state == "broken":
-        return ("MISSING" if piece else "WARN"), f"import failed: {bnb.error}"
+        return problem, f"import failed: {bnb.error}", REINSTALL_BNB
     backend = "CUDA backend" if bnb.cuda_backend else "no CUDA backend"
     op = f"4-bit op on {bnb.device} works" if bnb.four_bit else f"4-bit op on {bnb.device} failed: {bnb.error}"
     detail = f"{bnb.version}, {backend}; {op}"
     if bnb.four_bit and bnb.device != "cpu":
-        return "OK", detail
+        return "OK", detail, ""
     if not facts.usable and bnb.four_bit:  # a CPU machine: expected, a problem only for load_in_4bit
-        return ("MISSING" if piece and piece.required else "OK"), detail + " (load_in_4bit needs a CUDA device)"
-    return ("MISSING" if piece and piece.required else "WARN"), detail
+        return ("MISSING" if problem == "MISSING" else "OK"), detail + " (load_in_4bit needs a CUDA device)", \
+            "a CUDA device (see torch's line)"
+    return problem, detail, REINSTALL_BNB
 
 
 def gpu_lines(facts: GpuFacts, reqs: Requirements) -> list[Line]:
@@ -289,10 +294,10 @@ def gpu_lines(facts: GpuFacts, reqs: Requirements) -> list[Line]:
             lines.append(Line("MISSING" if missing else "WARN", device.label, detail,
                               "a torch build with kernels for this card (its compute capability)", torch_piece))
         elif not device.bf16:
-            lines.append(Line("WARN", device.label, detail, "no native bf16: set precision: fp16 where a config "
-                              "says bf16 (training emulates bf16, slowly)"))
+            # is_bf16_supported() says yes here (emulation), so storyrl's "auto" may still pick bf16
+            lines.append(Line("WARN", device.label, detail.replace("bf16 no", "bf16 no (emulated, slow: use fp16)")))
         else:
             lines.append(Line("OK", device.label, detail))
-    status, detail = _bnb_line(facts, bnb_piece)
-    lines.append(Line(status, "bitsandbytes", detail, QUANT_HINT if status != "OK" else "", bnb_piece))
+    status, detail, hint = _bnb_line(facts, bnb_piece)
+    lines.append(Line(status, "bitsandbytes", detail, hint if status != "OK" else "", bnb_piece))
     return lines
