@@ -8,11 +8,18 @@ Each reward is built cheaply and offline: tiny random-weight models from
 ``tiny_models``, a local ``storyrl serve`` for ``remote``. Every case's batch
 holds at least one story the reward scores and one it cannot (the checks
 would pass vacuously on an all-NaN batch), plus a story that is not text.
+
+Precision axis: every reward whose config has a ``precision`` option is
+rebuilt from its own config at fp16 and at bf16 and compared with the same
+weights at fp32 (scores within the dtype's rounding, NaN where fp32 has NaN),
+and the dtype the option names is shown to be the one its layers really run
+in; rewards without a model are skipped by it, with the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import math
 import pickle
@@ -309,3 +316,87 @@ def test_name_is_set(case):
     name, c = case
     reward = c.make()
     assert reward.name == reward.__name__ == name
+
+
+# -- the precision axis --------------------------------------------------------------------
+
+#: Unit roundoff of each reduced precision (2^-10 for fp16's 10-bit mantissa,
+#: 2^-7 for bf16's 7-bit one).
+EPS = {"fp16": 2.0**-10, "bf16": 2.0**-7}
+#: Allowed error in units of EPS x the score's scale: every layer of the tiny
+#: models rounds its activations to the dtype (relative error <= EPS/2 each)
+#: and these errors compound through their 2 to 4 layers, grown by the
+#: weights' gain (the contract's Vrank BERT has weights of std 0.5, 25x
+#: BERT's, to spread its scores). Measured on the CPU: at most 7.4 EPS
+#: (vrank, fp16), 3.1 (groovist, bf16), under 1 for the others.
+ULPS = 16
+
+
+def precision_tolerance(precision: str, fp32_scores: np.ndarray) -> float:
+    """Absolute tolerance of a reduced-precision run against fp32: ``ULPS``
+    units of the dtype's roundoff times the scores' scale (at least 1)."""
+    finite = fp32_scores[np.isfinite(fp32_scores)]
+    return ULPS * EPS[precision] * max(1.0, float(np.abs(finite).max(initial=0.0)))
+
+
+def _at(reward: Reward, precision: str) -> Reward:
+    """A fresh copy of ``reward`` (its own config) at ``precision`` on the CPU."""
+    return type(reward)(**{**reward.config(), "precision": precision, "device": "cpu"})
+
+
+def _model_reward(name: str, c: Case) -> Reward:
+    reward = c.make()
+    if "precision" not in {f.name for f in dataclasses.fields(reward.config_class)}:
+        pytest.skip(f"{name} runs no model of its own: its config has no precision option")
+    return reward
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_reduced_precision_scores_equal_fp32_within_the_dtypes_rounding(case, precision):
+    name, c = case
+    reward = _model_reward(name, c)
+    want = _at(reward, "fp32").score(c.stories, **c.context)
+    low = _at(reward, precision)
+    got = low.score(c.stories, **c.context)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"{name} at {precision}: other NaN")
+    atol = precision_tolerance(precision, want)
+    diff = float(np.nanmax(np.abs(got - want)))
+    assert diff <= atol, f"{name} at {precision}: max |score - fp32 score| = {diff:.3g} > {atol:.3g}"
+    # Bit-identical scores would mean the option was ignored (fp32 ran).
+    assert diff > 0, f"{name} at {precision} scored exactly as fp32: the precision did not reach the model"
+    assert low.stats["unscorable"] == int(np.isnan(want).sum())  # the same stories, for the same reasons
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_precision_is_the_dtype_the_models_layers_run_in(case, precision):
+    """Every conv/linear layer the reward runs (from a fresh load, so that no
+    cached embedding hides a forward pass) is recorded: at fp16/bf16 the
+    option's dtype is among their weights and among their inputs, at fp32
+    no other dtype is."""
+    import torch
+    from torch import nn
+
+    from storyrl.models import release_models
+
+    name, c = case
+    reward = _at(_model_reward(name, c), precision)
+    ran = []
+
+    def record(module, args, output):
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and args and torch.is_tensor(args[0]):
+            ran.append((module.weight.dtype, args[0].dtype))
+
+    release_models()
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        reward.score(c.stories, **c.context)
+    finally:
+        handle.remove()
+        release_models()
+    assert ran, f"{name}: no conv/linear layer ran"
+    weights, inputs = {w for w, _ in ran}, {x for _, x in ran}
+    want = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    if precision == "fp32":
+        assert weights == inputs == {torch.float32}, (name, weights, inputs)
+    else:
+        assert want in weights and want in inputs, (name, precision, weights, inputs)
