@@ -196,7 +196,8 @@ def test_cuda_build_that_sees_no_gpu_warns(monkeypatch, env):  # noqa: F811
     result = run("-m", "repetition")
     assert result.exit_code == 0
     assert lines(result.output)["torch"] == (
-        "WARN", f"torch {torch.__version__}, a CUDA 13.0 build, but no GPU is visible (driver? CUDA_VISIBLE_DEVICES?)")
+        "WARN", f"torch {torch.__version__}, a CUDA 13.0 build, but no GPU is visible")
+    assert "get it: a visible GPU: check nvidia-smi" in result.output
 
 
 def test_bitsandbytes_missing_fails_only_when_4bit_is_needed(monkeypatch, rl_4bit):
@@ -247,6 +248,7 @@ def test_card_without_kernels_in_this_torch(monkeypatch, rl_4bit):
     assert found["cuda:0 NVIDIA B200"] == ("MISSING", "178.4 GiB, compute capability 10.0, bf16 yes, fp16 failed: "
                                                       "CUDA error: no kernel image is available for execution on "
                                                       "the device")
+    assert "get it: a torch build with kernels for this card's compute capability" in result.output
     # 4-bit is tried where storyrl would run it: no usable GPU, so the CPU
     assert found["bitsandbytes"][1].endswith("4-bit op on cpu works (load_in_4bit needs a CUDA device)")
     result = run("-m", "repetition")

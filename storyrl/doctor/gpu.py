@@ -21,6 +21,8 @@ from storyrl.doctor.pieces import QUANT_HINT, TORCH_HINT, Piece, Requirements
 # A bitsandbytes that imports badly or lacks this CUDA's library: usually older than the torch build.
 REINSTALL_BNB = "pip install -U bitsandbytes (a release with a library for torch's CUDA version)"
 
+NO_KERNELS = "a torch build with kernels for this card's compute capability (a newer CUDA build)"
+
 #: Native bf16 needs compute capability 8.0 (Ampere) or newer; below that torch emulates it, slowly.
 BF16_CAPABILITY = (8, 0)
 
@@ -236,30 +238,32 @@ def check_pieces(facts: GpuFacts, reqs: Requirements) -> None:
     CUDA device (storyrl's load_in_4bit refuses the CPU)."""
     torch_piece, bnb_piece = _find(reqs, "torch", "cuda"), _find(reqs, "package", "bitsandbytes")
     if torch_piece is not None:
-        torch_piece.present, torch_piece.where = _torch_line(facts, torch_piece)[1:3]
+        _, torch_piece.present, torch_piece.where, _ = _torch_line(facts, torch_piece)
     if bnb_piece is not None:
         status, detail, _ = _bnb_line(facts, bnb_piece)
         bnb_piece.present, bnb_piece.where = status == "OK", detail
 
 
-def _torch_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, bool, str]:
-    """(status, GPU usable, detail) of torch's line."""
+def _torch_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, bool, str, str]:
+    """(status, GPU usable, detail, hint) of torch's line."""
     build = f"torch {facts.build()}"
     if facts.usable:
         names = ", ".join(dict.fromkeys(d.name for d in facts.usable))
-        return "OK", True, f"{build}; {len(facts.usable)} usable CUDA device(s): {names}"
+        return "OK", True, f"{build}; {len(facts.usable)} usable CUDA device(s): {names}", ""
+    hint = TORCH_HINT
     if facts.devices:
         build += ": no device runs fp16 kernels (see the device lines)"
-    elif facts.cuda_error:
-        build += f", but CUDA failed: {facts.cuda_error}"
-    elif facts.cuda_build:
-        build += ", but no GPU is visible (driver? CUDA_VISIBLE_DEVICES?)"
+        hint = NO_KERNELS
+    elif facts.cuda_error or facts.cuda_build:
+        build += f", but CUDA failed: {facts.cuda_error}" if facts.cuda_error else ", but no GPU is visible"
+        hint = "a visible GPU: check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES"
     if piece is None:  # nothing named needs a GPU: a CPU build is what a CPU machine should have
-        cpu_build = facts.torch_version is not None and not facts.cuda_build
-        return ("OK" if cpu_build else "WARN"), False, build + (" (nothing named needs a GPU)" if cpu_build else "")
+        if facts.torch_version is not None and not facts.cuda_build:
+            return "OK", False, build + " (nothing named needs a GPU)", ""
+        return "WARN", False, build, hint
     if not piece.required:
-        return "WARN", False, build + "; models run on the CPU (slower)"
-    return "MISSING", False, build
+        return "WARN", False, build + "; models run on the CPU (slower)", hint
+    return "MISSING", False, build, hint
 
 
 def _bnb_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, str, str]:
@@ -284,15 +288,15 @@ def _bnb_line(facts: GpuFacts, piece: Piece | None) -> tuple[str, str, str]:
 def gpu_lines(facts: GpuFacts, reqs: Requirements) -> list[Line]:
     """torch's line, one per CUDA device, bitsandbytes' line."""
     torch_piece, bnb_piece = _find(reqs, "torch", "cuda"), _find(reqs, "package", "bitsandbytes")
-    status, _, detail = _torch_line(facts, torch_piece)
-    lines = [Line(status, "torch", detail, TORCH_HINT if status != "OK" else "", torch_piece)]
+    status, _, detail, hint = _torch_line(facts, torch_piece)
+    lines = [Line(status, "torch", detail, hint, torch_piece)]
     for device in facts.devices:
+        fp16 = "yes" if device.fp16 else f"failed: {device.fp16_error}"
         detail = (f"{device.total_gib:g} GiB, compute capability {device.capability[0]}.{device.capability[1]}, "
-                  f"bf16 {'yes' if device.bf16 else 'no'}, fp16 {'yes' if device.fp16 else 'failed: ' + device.fp16_error}")
+                  f"bf16 {'yes' if device.bf16 else 'no'}, fp16 {fp16}")
         if not device.fp16:  # MISSING only when it leaves a required GPU with no usable device
             missing = torch_piece is not None and torch_piece.required and not facts.usable
-            lines.append(Line("MISSING" if missing else "WARN", device.label, detail,
-                              "a torch build with kernels for this card (its compute capability)", torch_piece))
+            lines.append(Line("MISSING" if missing else "WARN", device.label, detail, NO_KERNELS, torch_piece))
         elif not device.bf16:
             # is_bf16_supported() says yes here (emulation), so storyrl's "auto" may still pick bf16
             lines.append(Line("WARN", device.label, detail.replace("bf16 no", "bf16 no (emulated, slow: use fp16)")))
