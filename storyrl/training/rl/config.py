@@ -199,6 +199,7 @@ class RLConfig(StorytellerConfig):
         trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
         problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
                      if t not in TRACKERS]
+        problems += self._precision_problems()
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             if self.algorithm != "ppo":
@@ -208,6 +209,29 @@ class RLConfig(StorytellerConfig):
                 problems.append("lora/load_in_4bit: a TAPM policy keeps the adapters and quantisation it was "
                                 "trained with (storyrl train tapm); leave them off here")
         return super()._problems() + problems
+
+    def _precision_problems(self) -> list[str]:
+        """Precisions that cannot train here, refused now rather than coerced
+        or failing at the first step: fp16 weights that would themselves be
+        trained (no fp32 master copy, no loss scaling: small updates vanish
+        and the GradScaler of fp16 mixed precision refuses fp16 gradients;
+        frozen fp16 under LoRA is fine, peft keeps the adapters in fp32),
+        and bf16 weights or autocast on a CUDA GPU without bf16."""
+        problems = []
+        if self.precision == "fp16" and not (self.lora.enabled or self.load_in_4bit):
+            problems.append("precision: fp16 would train the policy's own weights in fp16 (no fp32 copy, no loss "
+                            "scaling); use lora (fp16 base, fp32 adapters), bf16, or fp32 with mixed precision")
+        # (ppo.mixed_precision: bf16 is PPOConfig's own check)
+        keys = [k for k, on in (("precision", self.precision == "bf16"),
+                                ("grpo.bf16", getattr(self.grpo, "bf16", False) is True),
+                                ("rloo.bf16", getattr(self.rloo, "bf16", False) is True)) if on]
+        if keys:
+            import torch
+
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                problems.append(f"{', '.join(keys)}: bf16 needs a GPU with bf16 support and this CUDA device has "
+                                "none; use fp16 (mixed precision) or fp32")
+        return problems
 
     # -- derived ----------------------------------------------------------------------
     def algorithm_config(self) -> Any:

@@ -56,7 +56,9 @@ class PPOConfig(Config):
     num_train_epochs: int = option(1, "Passes over the prompt dataset when neither max_steps nor total_episodes "
                                    "is set.", min=1)
     seed: int = option(0, "Seed of the data order, the sampling and the value head's initialisation.")
-    mixed_precision: str = option("no", "accelerate mixed precision.", choices=("no", "fp16", "bf16"))
+    mixed_precision: str = option("no", "accelerate mixed precision: no (the weights' own dtype), fp16 "
+                                  "(autocast + GradScaler, CUDA or CPU), bf16 (autocast).",
+                                  choices=("no", "fp16", "bf16"))
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass (saves memory).")
     # -- PPO ------------------------------------------------------------------
     cliprange: float = option(0.2, "PPO clip range of the probability ratio.", min=0.0)
@@ -118,6 +120,12 @@ class PPOConfig(Config):
                             f"known: {', '.join(TRACKERS)}")
         if self.use_score_norm and not self.use_score_scaling:
             problems.append("use_score_norm needs use_score_scaling")
+        if self.mixed_precision == "bf16":
+            import torch  # only here: the default (no) keeps this module torch-free
+
+            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+                problems.append("mixed_precision: bf16 needs a GPU with bf16 support and this CUDA device has none; "
+                                "use fp16 or no")
         return problems
 
     @property
