@@ -68,7 +68,18 @@ for _p in (BENCH, REPO / "tests"):  # generate.py, rl_step.py; tiny_models
         sys.path.insert(0, str(_p))
 
 from gpu_suite_parts import part_arch, part_clip, part_generate, part_pairs
-from gpu_suite_report import Budget, Context, Section, Skip, _is_oom, _one_line, free_memory
+from gpu_suite_report import (
+    ALLOWANCE,
+    QUICK_PARTS,
+    QUICK_TOTAL_S,
+    Budget,
+    Context,
+    Section,
+    Skip,
+    _is_oom,
+    _one_line,
+    free_memory,
+)
 from gpu_suite_rl import part_deepspeed, part_rl
 
 DEFAULT_OUT = BENCH / "gpu_report.md"
@@ -86,13 +97,29 @@ PARTS = {
 }
 
 
+# --quick: what matters most first (the RL rows for PPO and GRPO, then generate fp16 / 4-bit, then CLIP and
+# pairs), so that a GPU window that ends early has the figures that count; estimates: QUICK_PARTS.
+QUICK_ORDER = ["rl", "generate", "clip", "pairs", "arch", "deepspeed"]
+# The default --budget-minutes of --quick: 8 minutes on the machine, less the wheels' install before the run
+QUICK_BUDGET_MINUTES = (QUICK_TOTAL_S - ALLOWANCE["install_s"]) / 60
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the Markdown report (default {DEFAULT_OUT})")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--tiny", action="store_true", help="shrunk architectures; what can run runs on the CPU")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--tiny", action="store_true", help="shrunk architectures; what can run runs on the CPU")
+    mode.add_argument("--quick", action="store_true",
+                      help="full size, less work per part, most important part first: fits 8 minutes on one H100 "
+                           "with the install")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of: {', '.join(PARTS)} (default all)")
-    p.add_argument("--budget-minutes", type=float, default=40.0, help="parts that would not fit are skipped (40)")
+    p.add_argument("--budget-minutes", type=float, default=None,
+                   help=f"parts that would not fit are skipped (default 40; --quick {QUICK_BUDGET_MINUTES:.2f})")
+    p.add_argument("--precision", choices=PRECISIONS, default="auto",
+                   help="the models' dtype: rewards, generation, the RL policy (default auto: fp16 on CUDA, fp32 on "
+                        "the CPU; the RL policy then keeps storyrl's own auto)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when available (default)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -101,7 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [x for x in parts if x not in PARTS]
     if unknown or not parts:
         p.error(f"--parts: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}")
-    args.parts = [k for k in PARTS if k in parts]
+    args.parts = [k for k in (QUICK_ORDER if args.quick else PARTS) if k in parts]
+    if args.budget_minutes is None:
+        args.budget_minutes = QUICK_BUDGET_MINUTES if args.quick else 40.0
     if not args.budget_minutes > 0:
         p.error(f"--budget-minutes must be > 0, got {args.budget_minutes:g}")
     if args.threads is not None and args.threads < 1:
@@ -162,19 +191,22 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     budget = Budget(args.budget_minutes)
     sections = []
+    shared: dict = {}  # models built once for several parts (the 7B LLaVA-NeXT: rl and generate)
     with tempfile.TemporaryDirectory(prefix="storyrl_gpu_suite_") as root:
         for key in args.parts:
             title, runner, full_s, tiny_s = PARTS[key]
             section = Section(key, title)
+            section.estimate = tiny_s if args.tiny else QUICK_PARTS[key] if args.quick else full_s
             sections.append(section)
-            estimate = tiny_s if args.tiny else full_s
+            estimate = section.estimate
             print(f"[gpu_suite] {key}: starting (estimate {estimate / 60:.1f} min, {budget.left() / 60:.1f} left)",
                   file=sys.stderr)
             t0 = time.perf_counter()
             try:
                 budget.check(estimate, f"estimate of part {key}")
                 (Path(root) / key).mkdir()
-                runner(Context(args.tiny, device, budget, Path(root)), section)
+                runner(Context(args.tiny, device, budget, Path(root), quick=args.quick, precision=args.precision,
+                               shared=shared), section)
                 if section.status == "ok" and not any(line.startswith("|") for line in section.lines):
                     section.status = "skipped"  # every row skipped
             except Skip as exc:
@@ -199,18 +231,36 @@ def main(argv=None) -> int:
     return 1 if any(s.status == "failed" for s in sections) else 0
 
 
+def mode_line(args) -> str:
+    if args.tiny:
+        return "--tiny (shrunk architectures)"
+    if args.quick:
+        return (f"--quick (full-size architectures, less work per part; parts' estimates add up to "
+                f"{sum(QUICK_PARTS[k] for k in args.parts) / 60:.1f} min, + {ALLOWANCE['install_s']} s for the "
+                f"install)")
+    return "full-size architectures"
+
+
+def precision_line(precision: str, device: str) -> str:
+    if precision == "auto":
+        return (f"auto: {'fp16' if device == 'cuda' else 'fp32'} for the rewards and generation; the RL policy in "
+                f"storyrl's auto (bf16 on a GPU that supports it, else fp32)")
+    return f"{precision} (rewards, generation, the RL policy and its rewards)"
+
+
 def render(args, device: str, sections: list[Section], budget: Budget, running: bool = False) -> str:
     lines = ["# storyrl GPU validation suite", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M')}",
              f"- command: `{' '.join(['python benchmarks/gpu_suite.py', *args.argv])}`",
              f"- device: {device_line(device)}",
-             f"- mode: {'--tiny (shrunk architectures)' if args.tiny else 'full-size architectures'}, random weights",
+             f"- mode: {mode_line(args)}, random weights",
+             f"- precision: {precision_line(args.precision, device)}",
              f"- python {platform.python_version()}; {_versions()}",
              f"- budget: {args.budget_minutes:g} min; used {(budget.total - budget.left()) / 60:.1f} min",
              *([f"- INCOMPLETE: {len(sections)} of {len(args.parts)} parts done, still running"] if running else []),
              "",
-             "## Summary", "", "| part | status | seconds |", "|---|---|---|"]
-    lines += [f"| {s.key} | {s.status} | {s.seconds:.1f} |" for s in sections]
+             "## Summary", "", "| part | status | seconds | estimate (s) |", "|---|---|---|---|"]
+    lines += [f"| {s.key} | {s.status} | {s.seconds:.1f} | {s.estimate:.0f} |" for s in sections]
     for s in sections:
         lines += ["", f"## {s.title} (`{s.key}`)", "", *s.lines, "", f"- time: {s.seconds:.1f} s"]
     return "\n".join(re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).splitlines()) + "\n"

@@ -20,6 +20,8 @@ from gpu_suite_arch import (
     resnetv2,
 )
 from gpu_suite_report import (
+    QUICK_CLIP_IMAGES,
+    QUICK_GEN_TOKENS,
     Context,
     Section,
     Skip,
@@ -28,7 +30,9 @@ from gpu_suite_report import (
     free_memory,
     need,
     row,
+    shared_models_dtype,
     timed,
+    weights_dtype,
 )
 
 COHERENCE_TARGET = 5.0
@@ -126,8 +130,21 @@ def _authors_all(authors, setting: str, lines: list[dict]) -> dict[str, str]:
     return {r["story_id"]: authors.story(setting, r["images"]) for r in lines}
 
 
+def llava_7b(ctx: Context) -> str:
+    """The 7B LLaVA-NeXT (random fp16 weights, built on the GPU and saved,
+    ~15 GB) in the run's shared folder: built by the first part that needs
+    it (rl or generate), reused by the other."""
+    import generate as gen
+
+    if "llava_7b" not in ctx.shared:
+        t0 = time.perf_counter()
+        ctx.shared["llava_7b"] = gen.build_model("7b", ctx.root / "shared_llava_7b", ctx.device)
+        ctx.shared["llava_7b_build_s"] = time.perf_counter() - t0
+    return ctx.shared["llava_7b"]
+
+
 def part_generate(ctx: Context, section: Section) -> None:
-    import generate as gen  # benchmarks/generate.py
+    import generate as gen
     import torch
 
     from storyrl.models.vlm import load_vlm
@@ -135,50 +152,61 @@ def part_generate(ctx: Context, section: Section) -> None:
     shape = "tiny" if ctx.tiny else "7b"
     if shape == "7b":
         ctx.need_cuda("the 7B LLaVA-NeXT")
-    n_stories, batch, max_new = (3, 3, 6) if ctx.tiny else (8, 8, 32)
+    n_stories, batch, max_new = ctx.pick((3, 3, 6), (2, 2, QUICK_GEN_TOKENS), (8, 8, 32))
     settings = ["visual", "prev_sentence"]
     tmp = ctx.root / "generate"
     (tmp / "images").mkdir(parents=True)
     t0 = time.perf_counter()
-    model_dir = gen.build_model(shape, tmp / "model", ctx.device if shape == "7b" else "cpu")
+    if shape == "tiny":
+        model_dir = gen.build_model(shape, tmp / "model", "cpu")
+        built = f"built and saved in {time.perf_counter() - t0:.1f} s"
+    else:
+        reused = "llava_7b" in ctx.shared
+        if not reused:
+            ctx.check("generate build", 0, 0, "building the 7B LLaVA-NeXT")
+        model_dir = llava_7b(ctx)
+        built = (f"built and saved in {ctx.shared['llava_7b_build_s']:.1f} s"
+                 + (" (by the rl part; reused here)" if reused else ""))
     section.note(f"model: LLaVA-NeXT {'(tiny)' if ctx.tiny else '7B (Mistral-7B + CLIP ViT-L/14-336)'}, random "
-                 f"weights, built and saved in {time.perf_counter() - t0:.1f} s; {n_stories} stories x 5 images, "
+                 f"weights, {built}; {n_stories} stories x 5 images, "
                  f"batch {batch}, {max_new} new tokens per call, greedy, prompt P3")
     sizes = gen.SHAPES[shape]
     records = gen.write_data(tmp / "images", n_stories, sizes["images"])
     warm = tmp / "images" / "warm.jsonl"
     warm.write_text(records.read_text().splitlines()[0] + "\n")
-    variants = [("fp32", "fp32", False)] if not ctx.cuda else []
-    variants += [("fp16", "fp16", False), ("4-bit NF4", "fp16", True)]
+    # the --precision variant, then 4-bit NF4 (CUDA only) computing in it (fp16 when the first is fp32)
+    precision = ctx.dtype_name
+    variants = [(precision, precision, False), ("4-bit NF4", "fp16" if precision == "fp32" else precision, True)]
     rows, fp16_rows = [], []
     for label, precision, four_bit in variants:
         vlm = authors = None  # drop the previous variant's model (also after an out-of-memory error)
         with row(section, label):
-            if precision == "fp16":
-                ctx.need_cuda(f"{label} generation")
             if four_bit:
+                ctx.need_cuda(f"{label} generation")
                 need("bitsandbytes", "4-bit loading: pip install 'storyrl[quant]'")
-            ctx.budget.check(60 if ctx.tiny else 150, f"generate {label}")
+            ctx.check("generate 4-bit" if four_bit else "generate fp16", 150, 60, f"generate {label}")
             free_memory()
             vlm = load_vlm(model_dir, None, ctx.device, precision, four_bit)
-            dtype = torch.float32 if precision == "fp32" else torch.float16
+            dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
             authors = gen.Authors(model_dir, vlm.model, vlm.device, dtype, max_new, "P3",
                                   sizes["sequence_image_size"])
             opts = {"precision": precision, "load_in_4bit": four_bit, "batch_size": batch, "max_new_tokens": max_new,
                         "sequence_image_size": sizes["sequence_image_size"]}
             lines = [json.loads(x) for x in records.read_text().splitlines() if x.strip()]
-            for setting in settings:
-                _generate_storyrl(ctx, model_dir, setting, warm, tmp / "warm.json", **opts)  # first-call costs
-                authors.story(setting, lines[0]["images"])
+            for i, setting in enumerate(settings):
+                # first-call costs; --quick warms up once per model (the visual setting) to save calls
+                if i == 0 or not ctx.quick:
+                    _generate_storyrl(ctx, model_dir, setting, warm, tmp / "warm.json", **opts)
+                    authors.story(setting, lines[0]["images"])
                 _reset_peak(ctx.device)
                 a_s, a_stories = timed(_authors_all, ctx.device, authors, setting, lines)
                 a_peak = _peak_gib(ctx.device)
                 _reset_peak(ctx.device)
-                out = tmp / (f"{setting}.json" if precision == "fp16" and not four_bit else f"{label}_{setting}.json")
+                out = tmp / f"{label}_{setting}.json"
                 s_s, s_stories = _generate_storyrl(ctx, model_dir, setting, records, out, **opts)
                 s_peak = _peak_gib(ctx.device)
                 differ = sum(s_stories.get(k) != v for k, v in a_stories.items())
-                r = {"precision": label, "setting": setting, "stories": n_stories,
+                r = {"precision": label, "weights": weights_dtype(vlm.model), "setting": setting, "stories": n_stories,
                      "one at a time (stories/s)": n_stories / a_s, "storyrl batched (stories/s)": n_stories / s_s,
                      "speed-up": a_s / s_s, "same stories": differ == 0, "differing": differ,
                      "peak GiB (one / batched)": None if a_peak is None else f"{a_peak:.2f} / {s_peak:.2f}"}
@@ -193,7 +221,7 @@ def part_generate(ctx: Context, section: Section) -> None:
         need("vllm", "pip install vllm")
         if len(fp16_rows) != len(settings):
             raise Skip("needs the fp16 transformers figures first (that row did not run)")
-        ctx.budget.check(240, "vLLM engine start and generation")
+        ctx.check("vllm", 240, 240, "vLLM engine start and generation")
         args = SimpleNamespace(device=ctx.device, precision="fp16", prompt="P3", batch_size=batch,
                                max_new_tokens=max_new, shape=shape, stories=n_stories)
         vrows = gen.run_vllm(args, model_dir, settings, records, tmp, fp16_rows)
@@ -231,18 +259,18 @@ def part_clip(ctx: Context, section: Section) -> None:
     from storyrl.rewards import create_reward
     from storyrl.text import clear_caches
 
-    sequences, candidates = (2, 2) if ctx.tiny else (16, 8)
+    sequences, candidates = ctx.pick((2, 2), (QUICK_CLIP_IMAGES // 5, 4), (16, 8))
     tmp = ctx.root / "clip"
     images = write_sequence_images(tmp / "images", sequences, (64, 48) if ctx.tiny else (500, 375))
     stories = synthetic_stories(sequences * candidates, seed=1)
     story_images = [images[i // candidates] for i in range(len(stories))]
     pronouns = tmp / "pronouns.txt"
     pronouns.write_text("it\nwe\nthey\nhe\nshe\n")
-    precision = "fp16" if ctx.cuda else "fp32"
+    precision = ctx.dtype_name
     rows = []
     for name in ("ViT-B-32", "ViT-L-14"):
         with row(section, f"CLIP {name}"):
-            ctx.budget.check(20 if ctx.tiny else 60, f"CLIP {name}")
+            ctx.check("clip", 60, 20, f"CLIP {name}")
             clip = _save_clip(tmp / name, _open_clip_cfg(name, ctx.tiny))
             for reward_name in ("groovist", "clipscore"):
                 free_memory()
@@ -257,10 +285,12 @@ def part_clip(ctx: Context, section: Section) -> None:
                 _reset_peak(ctx.device)
                 cold_s, cold = timed(reward.score, ctx.device, stories, images=story_images)
                 warm_s, warm = timed(reward.score, ctx.device, stories, images=story_images)
+                weights = shared_models_dtype()
                 n_images = sequences * 5
                 regions = n_images * (reward.grid ** 2 + 1) if reward_name == "groovist" else n_images
                 same = np.allclose(cold, warm, atol=1e-5, equal_nan=True)
-                rows.append({"reward": reward_name, "CLIP": name + (" (tiny)" if ctx.tiny else ""),
+                rows.append({"reward": reward_name, "CLIP": name + (" (tiny)" if ctx.tiny else ""), "precision": precision,
+                             "weights": weights,
                              "stories": len(stories), "images": n_images, "crops encoded": regions,
                              "images/s (first visit)": n_images / cold_s,
                              "stories/s (first visit)": len(stories) / cold_s,
@@ -276,17 +306,17 @@ def part_clip(ctx: Context, section: Section) -> None:
         need("timm", "pip install timm")
         free_memory()
         model = resnetv2(ctx.tiny).eval().to(ctx.device)
-        dtype = torch.float16 if ctx.cuda else torch.float32
+        dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
         model = model.to(dtype)
         batch, size = (4, 64) if ctx.tiny else (64, 224)
         x = torch.randn(batch, 3, size, size, device=ctx.device, dtype=dtype)
         with torch.inference_mode():
             model(x)
             _reset_peak(ctx.device)
-            reps = 2 if ctx.tiny else 10
+            reps = ctx.pick(2, 3, 10)
             seconds, _ = timed(_repeat, ctx.device, model, x, reps)
         section.table([{"model": "ResNet-50 v2 (timm resnetv2_50)" + (" (tiny)" if ctx.tiny else ""),
-                        "batch": batch, "pixels": size, "precision": "fp16" if ctx.cuda else "fp32",
+                        "batch": batch, "pixels": size, "precision": precision, "weights": weights_dtype(model),
                         "images/s": batch * reps / seconds, "peak GiB": _peak_gib(ctx.device)}])
         del model
 
@@ -347,14 +377,14 @@ def part_pairs(ctx: Context, section: Section) -> None:
     from storyrl.rewards.coherence import sentence_pairs
     from storyrl.text import split_sentences
 
-    n = 12 if ctx.tiny else 200
-    precision = "fp16" if ctx.cuda else "fp32"
+    n = ctx.pick(12, 50, 200)  # stories (RoViST-C: ~4 sentence pairs each)
+    precision = ctx.dtype_name
     stories = synthetic_stories(n, seed=2)
     others = synthetic_stories(n, seed=3)
     tmp = ctx.root / "pairs"
     rows = []
     with row(section, "RoViST-C"):
-        ctx.budget.check(20 if ctx.tiny else 90, "RoViST-C")
+        ctx.check("coherence", 90, 20, "RoViST-C")
         free_memory()
         tokenizer = rovist_tokenizer(stories, ctx.tiny)
         torch.manual_seed(0)
@@ -370,14 +400,15 @@ def part_pairs(ctx: Context, section: Section) -> None:
         tok.truncation_side = "left"  # keep the end of the prefix, as storyrl does
         single_s, single = timed(_one_pair_per_forward, ctx.device, reward._loaded(), pairs, "coherence")
         speedup = single_s / batched_s
-        rows.append({"model": "RoViST-C (ALBERT-large)" + (" (tiny)" if ctx.tiny else ""), "pairs": len(pairs),
+        rows.append({"model": "RoViST-C (ALBERT-large)" + (" (tiny)" if ctx.tiny else ""),
+                     "weights": weights_dtype(reward._loaded()[0]), "pairs": len(pairs),
                      "one per forward (pairs/s)": len(pairs) / single_s, "batched (pairs/s)": len(pairs) / batched_s,
                      "speed-up": speedup, "max abs diff": float(np.max(np.abs(single - batched))),
                      f"target >= {COHERENCE_TARGET:g}x": "PASS" if speedup >= COHERENCE_TARGET else "FAIL",
                      "peak GiB": _peak_gib(ctx.device)})
         del reward
     with row(section, "Vrank"):
-        ctx.budget.check(20 if ctx.tiny else 90, "Vrank")
+        ctx.check("vrank", 90, 20, "Vrank")
         free_memory()
         tokenizer = vrank_tokenizer(stories + others, tmp / "bert_vocab", ctx.tiny)
         torch.manual_seed(0)
@@ -390,7 +421,8 @@ def part_pairs(ctx: Context, section: Section) -> None:
         batched_s, batched = timed(reward.compare, ctx.device, stories, others)
         single_s, single = timed(_one_pair_per_forward, ctx.device, reward._loaded(), list(zip(stories, others)),
                                  "vrank")
-        rows.append({"model": "Vrank (BERT-large)" + (" (tiny)" if ctx.tiny else ""), "pairs": n,
+        rows.append({"model": "Vrank (BERT-large)" + (" (tiny)" if ctx.tiny else ""),
+                     "weights": weights_dtype(reward._loaded()[0]), "pairs": n,
                      "one per forward (pairs/s)": n / single_s, "batched (pairs/s)": n / batched_s,
                      "speed-up": single_s / batched_s, "max abs diff": float(np.max(np.abs(single - batched))),
                      f"target >= {COHERENCE_TARGET:g}x": "—", "peak GiB": _peak_gib(ctx.device)})

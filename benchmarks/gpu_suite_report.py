@@ -26,6 +26,7 @@ class Section:
     lines: list[str] = field(default_factory=list)
     status: str = "ok"  # ok, skipped, failed
     seconds: float = 0.0
+    estimate: float = 0.0  # what the budget expected, seconds
 
     def table(self, rows: list[dict], columns: list[str] | None = None) -> None:
         if not rows:
@@ -74,14 +75,101 @@ class Context:
     device: str  # cpu or cuda
     budget: Budget
     root: Path
+    quick: bool = False
+    precision: str = "auto"  # --precision: auto (fp16 on CUDA, fp32 on the CPU), fp32, fp16, bf16
+    shared: dict = field(default_factory=dict)  # built once, used by several parts (the 7B LLaVA-NeXT)
 
     @property
     def cuda(self) -> bool:
         return self.device == "cuda"
 
+    @property
+    def dtype_name(self) -> str:
+        """The precision the parts run their models in."""
+        if self.precision != "auto":
+            return self.precision
+        return "fp16" if self.cuda else "fp32"
+
+    def pick(self, tiny, quick, full):
+        """A size (or an estimate) for the mode the suite runs in."""
+        return tiny if self.tiny else quick if self.quick else full
+
+    def check(self, key: str, full: float, tiny: float, what: str) -> None:
+        """The budget check of one row: ``--quick`` takes its estimate from
+        ``QUICK_ROWS[key]`` (derived from measured H100 figures)."""
+        self.budget.check(self.pick(tiny, QUICK_ROWS[key], full), what)
+
     def need_cuda(self, what: str) -> None:
         if not self.cuda:
             raise Skip(f"no CUDA device ({what} needs one)")
+
+
+# -- --quick's time plan -----------------------------------------------------------------------
+# Every figure below comes from the first full-size run on one H100 80GB (CUDA 13, torch 2.11,
+# 2026-11-27, random weights; ../shared/gpu/README.md and issue 30), unless it is marked ALLOWANCE:
+# that run did not time it (model build/save/load, the install), so a margin is allowed and the
+# report's "estimate" column next to each part's real time is what corrects it after a --quick run.
+H100 = {
+    "grpo_llava_step_s": 7.6,     # GRPO LLaVA-NeXT-7B + LoRA, batch 8, 64 new tokens (78 % generation)
+    "llava_generation_share": 0.78,
+    "grpo_llama4_step_s": 9.8,    # GRPO LLaMA-2-7B 4-bit + LoRA, batch 8, 64 new tokens (91 % generation)
+    "llama_generation_share": 0.91,
+    "clipscore_images_s": 75.0,   # CLIPScore first visit, ViT-B/32 (ViT-L/14: 78)
+    "groovist_images_s": 31.0,    # GROOViST first visit (3x3 grid + whole image)
+}
+ALLOWANCE = {
+    "install_s": 40,              # pip --no-index of ~27 MB of wheels (../shared/gpu/pack-wheels.sh)
+    "llava_build_save_s": 30,     # 7.57 B random fp16 weights made on the GPU, ~15 GB written
+    "llava_load_s": 15,           # ~15 GB read back (page cache) onto the GPU
+    "llama_build_save_s": 25,     # 6.74 B, ~13.5 GB written
+    "llama_4bit_load_s": 20,      # read back and quantised to NF4 on load
+    "small_model_s": 5,           # build + save + load of one CLIP / ALBERT / BERT / ResNet (<= 1.7 GB)
+    "deepspeed_s": 60,            # a subprocess: python, accelerate and DeepSpeed start, 3 tiny PPO steps
+    "arch_s": 10,                 # meta-device counting (no weights); ~5 s on a 2-core CPU
+    "rl_assets_s": 5,             # rl_step.py's data and tiny reward models (1 SFT step)
+}
+# --quick's work per part (gpu_suite_parts.py, gpu_suite_rl.py use these sizes)
+QUICK_RL_STEPS = 2                # 1 warm-up + 1 timed step per run (64 new tokens, batch 8: as measured)
+QUICK_GEN_CALLS = 20              # 2 stories, visual + prev_sentence: warm-up 2 + one at a time 2 + 10 + batched 1 + 5
+QUICK_GEN_TOKENS = 16
+QUICK_CLIP_IMAGES = 20            # 4 sequences of 5 images
+
+
+def _token_s(step_s: float, share: float, tokens: int = 64) -> float:
+    """Seconds per generated token at batch 8, from a measured GRPO step: its generation share over 64 tokens."""
+    return step_s * share / tokens
+
+
+_LLAVA_TOKEN_S = _token_s(H100["grpo_llava_step_s"], H100["llava_generation_share"])
+_LLAMA4_TOKEN_S = _token_s(H100["grpo_llama4_step_s"], H100["llama_generation_share"])
+A = ALLOWANCE
+# Row estimates (seconds). PPO's step at 7B was not measured (it stopped at step 1 on that run): taken as
+# GRPO's measured step (generation dominates both; --quick runs PPO with 1 epoch).
+QUICK_ROWS = {
+    "rl llava": A["llava_build_save_s"] + 2 * (A["llava_load_s"] + QUICK_RL_STEPS * H100["grpo_llava_step_s"]),
+    "rl llava run": A["llava_load_s"] + QUICK_RL_STEPS * H100["grpo_llava_step_s"],
+    "rl llama": A["llama_build_save_s"] + 2 * (A["llama_4bit_load_s"] + QUICK_RL_STEPS * H100["grpo_llama4_step_s"]),
+    "rl llama run": A["llama_4bit_load_s"] + QUICK_RL_STEPS * H100["grpo_llama4_step_s"],
+    # one generate call of 16 new tokens at the measured per-token rate (batch 8 with LoRA: an upper bound)
+    "generate fp16": A["llava_load_s"] + QUICK_GEN_CALLS * QUICK_GEN_TOKENS * _LLAVA_TOKEN_S,
+    "generate 4-bit": A["llama_4bit_load_s"] + QUICK_GEN_CALLS * QUICK_GEN_TOKENS * _LLAVA_TOKEN_S
+    * (_LLAMA4_TOKEN_S / _LLAVA_TOKEN_S),  # 4-bit decoding slower by the measured LLaMA 4-bit / LLaVA fp16 ratio
+    "generate build": A["llava_build_save_s"],  # only when the rl part did not build the 7B LLaVA-NeXT first
+    "vllm": 240,  # not in --quick's plan (vLLM is not on the wheel list): engine start alone takes minutes
+    # per CLIP: build + save, two rewards loaded, first visits at the measured images/s, revisits ~free
+    "clip": 3 * A["small_model_s"] + QUICK_CLIP_IMAGES * (1 / H100["clipscore_images_s"] + 1 / H100["groovist_images_s"]),
+    "coherence": 2 * A["small_model_s"],   # 200 pairs: one per forward ~3 s, batched 7.6x faster (measured ratio)
+    "vrank": 2 * A["small_model_s"],       # 50 pairs
+}
+QUICK_PARTS = {
+    "rl": A["rl_assets_s"] + QUICK_ROWS["rl llava"] + QUICK_ROWS["rl llama"],
+    "generate": QUICK_ROWS["generate fp16"] + QUICK_ROWS["generate 4-bit"],  # the rl part's 7B build reused
+    "clip": 2 * QUICK_ROWS["clip"] + A["small_model_s"],  # ViT-B/32, ViT-L/14, ResNet-50 v2 (~7k images/s)
+    "pairs": QUICK_ROWS["coherence"] + QUICK_ROWS["vrank"],
+    "arch": A["arch_s"],
+    "deepspeed": A["deepspeed_s"],
+}
+QUICK_TOTAL_S = 8 * 60  # one H100, the install included
 
 
 def _have(module: str) -> bool:
@@ -154,6 +242,59 @@ def _peak_gib(device: str) -> float | None:
     import torch
 
     return torch.cuda.max_memory_allocated() / 2**30
+
+
+_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def weights_dtype(*objects) -> str | None:
+    """The floating dtype holding most parameters of the torch modules in
+    ``objects`` (modules, tuples of them, or objects with module attributes,
+    one level down), in their linear/conv/attention layers: what a model
+    really runs in, for the report to show
+    next to the --precision asked for (a 4-bit model: its float parameters)."""
+    import torch
+
+    modules, seen = [], set()
+
+    def visit(obj, depth):
+        if id(obj) in seen or obj is None:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            modules.append(obj)
+        elif depth > 0 and isinstance(obj, (tuple, list)):
+            for x in obj:
+                visit(x, depth - 1)
+        elif depth > 0 and hasattr(obj, "__dict__") and not isinstance(obj, type):
+            for x in vars(obj).values():
+                visit(x, depth - 1)
+
+    for obj in objects:
+        visit(obj, 2)
+    # the matrix-multiplying layers' own weights: embeddings and norms may stay fp32 by design (open_clip's
+    # fp16 keeps its token embedding in fp32, a tiny model's largest table)
+    matmul = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.MultiheadAttention)
+    counts: dict = {}
+    for module in modules:
+        for layer in module.modules():
+            if not isinstance(layer, matmul):
+                continue
+            for p in layer.parameters(recurse=False):
+                if p.is_floating_point():
+                    counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if not counts:
+        return None
+    dtype = max(counts, key=counts.get)
+    return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype))
+
+
+def shared_models_dtype() -> str | None:
+    """:func:`weights_dtype` of the models storyrl's rewards hold now
+    (``storyrl.models.runtime``'s shared instances)."""
+    from storyrl.models import runtime
+
+    return weights_dtype(*getattr(runtime, "_SHARED", {}).values())
 
 
 def timed(fn, device: str, *args, **kwargs):

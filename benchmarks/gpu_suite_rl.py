@@ -17,7 +17,18 @@ from pathlib import Path
 
 from gpu_suite_arch import LLAMA2_7B
 from gpu_suite_parts import synthetic_stories, write_sequence_images
-from gpu_suite_report import Context, Section, Skip, _one_line, free_memory, need, row
+from gpu_suite_report import (
+    QUICK_RL_STEPS,
+    Context,
+    Section,
+    Skip,
+    _have,
+    _one_line,
+    free_memory,
+    need,
+    row,
+    weights_dtype,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -118,19 +129,46 @@ def _build_llama_7b(directory: Path, texts: list[str], device: str) -> str:
 
 
 def _build_llava(directory: Path, texts: list[str], ctx: Context) -> str:
-    import generate as gen
+    """The tiny chat VLM, or the run's shared 7B LLaVA-NeXT (gpu_suite_parts'
+    ``llava_7b``) seen through ``directory``: its weights linked, not copied
+    (~15 GB), and its processor saved there with a chat template (TRL renders
+    the prompts with it; the generate part's copy stays without one)."""
+    from gpu_suite_parts import llava_7b
     from tiny_models import LLAVA_CHAT_TEMPLATE, save_tiny_chat_vlm
     from transformers import AutoProcessor
 
     if ctx.tiny:
         return save_tiny_chat_vlm(directory, texts)
-    gen.build_model("7b", directory, ctx.device)
-    processor = AutoProcessor.from_pretrained(directory)
+    shared = Path(llava_7b(ctx))
+    processor = AutoProcessor.from_pretrained(shared)
     processor.chat_template = MISTRAL_CHAT_TEMPLATE if "[INST]" in processor.tokenizer.get_vocab() \
         else LLAVA_CHAT_TEMPLATE
-    processor.save_pretrained(directory)
+    own = directory.parent / f"{directory.name}_processor"
+    processor.save_pretrained(own)  # saved apart: written through a link it would change the shared copy
+    directory.mkdir(parents=True)
+    for path in shared.iterdir():
+        if not (own / path.name).exists():
+            (directory / path.name).symlink_to(path.resolve())
+    for path in own.iterdir():
+        path.rename(directory / path.name)
+    own.rmdir()
     free_memory()
     return str(directory)
+
+
+def noun_phrase_extractor(rl_step, tiny: bool) -> tuple[str, str]:
+    """(rl_step.py's ``--noun-phrases`` choice, why): spaCy's pipeline when
+    spaCy is installed, else the regular expression; ``--tiny`` always the
+    regex (setting up a spaCy pipeline costs seconds on a shrunk run)."""
+    choices = getattr(rl_step, "NP_EXTRACTORS", {})
+    if "regex" not in choices:
+        return "", "rl_step.py's own default (it has no regex extractor)"
+    if tiny:
+        return "regex", "--tiny: the cheap regular expression"
+    spacy_choice = next((c for c in choices if c.startswith("spacy")), None)
+    if spacy_choice and _have("spacy"):
+        return spacy_choice, "spaCy is installed"
+    return "regex", "spaCy is not installed: regular-expression noun phrases"
 
 
 def part_rl(ctx: Context, section: Section) -> None:
@@ -142,6 +180,26 @@ def part_rl(ctx: Context, section: Section) -> None:
         raise Skip(f"benchmarks/rl_step.py's runners are not importable ({_one_line(exc)})") from None
     with _hidden_gpus(ctx.device == "cpu"):  # accelerate (PPO) would take a visible GPU
         _part_rl(ctx, section, rl_step, runners, build_assets, summarise, peak)
+
+
+@contextmanager
+def recorded_policy_dtypes(found: list):
+    """Append the weights dtype of every policy storyrl's ``load_policy``
+    loads meanwhile to ``found`` (rl_step.py imports it at call time)."""
+    import storyrl.training.rl.policy as policy_module
+
+    original = policy_module.load_policy
+
+    def load_policy(*a, **kw):
+        policy = original(*a, **kw)
+        found.append(weights_dtype(policy.model))
+        return policy
+
+    policy_module.load_policy = load_policy
+    try:
+        yield
+    finally:
+        policy_module.load_policy = original
 
 
 @contextmanager
@@ -158,13 +216,28 @@ def _hidden_gpus(hide: bool):
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mib, estimate) -> dict:
+def _with_precision(spec, precision: str):
+    """A reward spec (a name or a mapping, composites nested under
+    ``rewards``) with ``precision`` on every model-backed reward in it."""
+    if not isinstance(spec, dict):
+        return spec  # a name: bleu and the like, model-free
+    out = dict(spec)
+    if "rewards" in out:
+        out["rewards"] = {k: _with_precision(v, precision) for k, v in out["rewards"].items()}
+    else:
+        out["precision"] = precision
+    return out
+
+
+def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mib, estimate,
+            policy_dtype: str | None = None) -> dict:
     """A report row from one of rl_step.py's runners' results: (steps, reward
     calls[, seconds preparing the rewards])."""
     s = summarise(algorithm, result[0], result[1], peak_mib)
     share = s["share"]
     peak_mib = s.get("peak_cuda_mib")
-    return {"model": model, "algorithm": algorithm.upper(), "step (s)": s["mean_s"]["step"],
+    return {"model": model, "algorithm": algorithm.upper(), "policy weights": policy_dtype,
+            "step (s)": s["mean_s"]["step"],
             **{phase: f"{100 * share[phase]:.0f} %" for phase in ("generation", "forward", "reward", "optimisation")},
             "run (s)": run_s, "rewards prepared (s)": result[2] if len(result) > 2 else None,
             "peak GiB": None if peak_mib is None else peak_mib / 1024,
@@ -172,29 +245,35 @@ def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mi
 
 
 def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
-    steps, warmup = (1, 0) if ctx.tiny else (2, 1)
+    steps, warmup = ctx.pick((1, 0), (QUICK_RL_STEPS - 1, 1), (2, 1))
     batch, generations = (4, 2) if ctx.tiny else (8, 4)
-    # rl_step's own parser: its defaults for whatever options it has grown (NP extraction, ...)
+    noun_phrases, np_why = noun_phrase_extractor(rl_step, ctx.tiny)
+    # rl_step's own parser: its defaults for whatever options it has grown
     args = rl_step.parse_args(["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
                                "--generations", str(generations), "--max-new-tokens", "16" if ctx.tiny else "64",
-                               "--ppo-epochs", "1" if ctx.tiny else "4", "--sft-steps", "20" if ctx.tiny else "1",
+                               "--ppo-epochs", str(ctx.pick(1, 1, 4)), "--sft-steps", "20" if ctx.tiny else "1",
                                "--device", ctx.device, "--reward", "dhm",
-                               # --tiny: the cheap regex NPs (the spaCy-shaped default costs seconds to set up)
-                               *(["--noun-phrases", "regex"] if ctx.tiny and "regex" in getattr(
-                                   rl_step, "NP_EXTRACTORS", ()) else [])])
+                               *(["--noun-phrases", noun_phrases] if noun_phrases else [])])
     # rewards prepared before training (the image side embedded once) where rl_step.py can do it
     prepare = {"prepare": True} if "prepare" in inspect.signature(runners["ppo"]).parameters else {}
     tmp = ctx.root / "rl"
     t0 = time.perf_counter()
     assets = build_assets(tmp, args)
+    if ctx.precision != "auto":  # the dhm reward's models in --precision too
+        assets = {**assets, "rewards": {**assets["rewards"], "dhm": [_with_precision(r, ctx.precision)
+                                                                     for r in assets["rewards"]["dhm"]]}}
     vocabulary = " ".join([*rl_step.DETS, *rl_step.ADJS, *rl_step.NOUNS, *rl_step.VERBS, *rl_step.INTRANSITIVE,
                            *rl_step.PREPS, "we it was day then . [INST] [/INST]"])
     prompt = rl_step._prompt_text(rl_step.IMAGES_PER_SEQUENCE)
-    section.note(f"data and reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py; its NP extractor "
-                 f"{getattr(args, 'noun_phrases', 'regex')}) built in {time.perf_counter() - t0:.1f} s; "
+    section.note(f"noun phrases (the dhm reward's GROOViST): {getattr(args, 'noun_phrases', 'regex')} ({np_why})")
+    section.note(f"precision: {ctx.precision if ctx.precision != 'auto' else 'storyrl auto'} for the policy, "
+                 f"{ctx.precision if ctx.precision != 'auto' else 'the rewards own auto'} for the dhm reward's models")
+    section.note(f"data and reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py) built in "
+                 f"{time.perf_counter() - t0:.1f} s; "
                  f"{'the LLaMA policy: rl_step.py tiny one, fitted to write sentences; ' if ctx.tiny else ''}"
                  f"{batch} stories per step, "
-                 f"{warmup} warm-up + {steps} timed step(s), {args.max_new_tokens} new tokens")
+                 f"{warmup} warm-up + {steps} timed step(s), {args.max_new_tokens} new tokens, "
+                 f"PPO {args.ppo_epochs} epoch(s) per rollout")
     estimates = readme_estimates()
     gc_on = not ctx.tiny  # 7B with LoRA: activations recomputed, as the shipped configs do
     models = [
@@ -206,7 +285,7 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     rows = []
     for label, key, extra in models:
         with row(section, label):
-            ctx.budget.check(40 if ctx.tiny else 420, f"rl {label}")  # 7B: build, save, PPO and GRPO
+            ctx.check(f"rl {key}", 420, 40, f"rl {label}")  # 7B: build, save, PPO and GRPO
             if extra.get("load_in_4bit"):
                 if not ctx.cuda:
                     extra = {k: v for k, v in extra.items() if k != "load_in_4bit"}
@@ -222,21 +301,24 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
             else:
                 policy = _build_llama_7b(tmp / "llama", [prompt, vocabulary], ctx.device)
             extra = {**extra, "ppo": {"gradient_checkpointing": gc_on},
-                     "grpo": {"gradient_checkpointing": gc_on}}
+                     "grpo": {"gradient_checkpointing": gc_on},
+                     **({"precision": ctx.precision} if ctx.precision != "auto" else {})}
             for algorithm in ("ppo", "grpo"):
                 free_memory()
                 with row(section, f"{label}, {algorithm.upper()}"):  # an OOM in PPO still lets GRPO run
-                    ctx.budget.check(15 if ctx.tiny else 150, f"rl {label} {algorithm}")
-                    with rl_options(extra):
+                    ctx.check(f"rl {key} run", 150, 15, f"rl {label} {algorithm}")
+                    dtypes: list = []
+                    with rl_options(extra), recorded_policy_dtypes(dtypes):
                         t1 = time.perf_counter()
                         run_assets = {**assets, "policy": policy,
                                       "rewards": {"dhm": [*assets["rewards"]["dhm"], "bleu"]}}
                         result = runners[algorithm](run_assets, args, "dhm", tmp / f"{key}_{algorithm}", **prepare)
                         run_s = time.perf_counter() - t1
                     rows.append(_rl_row(label + (" (tiny)" if ctx.tiny else ""), algorithm, result, run_s,
-                                        summarise, peak(ctx.device), estimates.get(key)))
-            if not ctx.tiny:
-                shutil.rmtree(Path(policy), ignore_errors=True)  # ~15 GB of disk
+                                        summarise, peak(ctx.device), estimates.get(key),
+                                        policy_dtype=", ".join(dict.fromkeys(d or "?" for d in dtypes)) or None))
+            if not ctx.tiny and key == "llama":
+                shutil.rmtree(Path(policy), ignore_errors=True)  # ~13.5 GB of disk (LLaVA's is shared)
     section.table(rows)
     section.note("rewards prepared: the image side of the data set embedded (and the human stories scored) "
                  "before training by RLConfig prepare_rewards, untimed in the steps (— where rl_step.py cannot).")

@@ -552,3 +552,27 @@ def test_vocabularies_reach_the_real_sizes(tmp_path):
     assert gen.sized_tokenizer(llava, 32064).get_vocab() == llava.get_vocab()
     with pytest.raises(ValueError, match="more than 10"):
         gen.sized_tokenizer(llava, 10)
+
+
+def test_rl_llava_links_the_shared_weights(tmp_path, monkeypatch):
+    """At full size the rl part uses the run's one 7B LLaVA-NeXT build (the
+    generate part's too): weights linked, its own processor with a chat
+    template, the shared copy unchanged. A tiny model stands in for the 7B."""
+    import generate as gen
+    from transformers import AutoProcessor
+
+    import gpu_suite_parts
+
+    real = gen.build_model
+    monkeypatch.setattr(gen, "build_model", lambda shape, directory, device: real("tiny", directory, "cpu"))
+    ctx = gpu_suite_report.Context(False, "cpu", gpu_suite_report.Budget(5), tmp_path)
+    shared = Path(gpu_suite_parts.llava_7b(ctx))
+    before = {p.name: p.read_bytes() for p in shared.iterdir()}
+    policy = Path(gpu_suite_rl._build_llava(tmp_path / "rl" / "llava", ["unused"], ctx))
+    assert gpu_suite_parts.llava_7b(ctx) == str(shared)  # built once
+    assert {p.name: p.read_bytes() for p in shared.iterdir()} == before
+    weights = [p for p in policy.iterdir() if p.suffix == ".safetensors"]
+    assert weights and all(p.is_symlink() and p.resolve().parent == shared.resolve() for p in weights)
+    assert AutoProcessor.from_pretrained(policy).chat_template == gpu_suite_rl.MISTRAL_CHAT_TEMPLATE
+    assert not AutoProcessor.from_pretrained(shared).chat_template
+    assert not (tmp_path / "rl" / "llava_processor").exists()
