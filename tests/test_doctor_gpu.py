@@ -61,6 +61,7 @@ def fake_bitsandbytes(monkeypatch, cuda_backend=True, four_bit_error=None, versi
     module.functional = functional
     monkeypatch.setitem(sys.modules, "bitsandbytes", module)
     monkeypatch.setitem(sys.modules, "bitsandbytes.functional", functional)
+    monkeypatch.setitem(sys.modules, "bitsandbytes.cextension", module.cextension)
     devices = []
     real_probe = gpu_module._four_bit_probe
 

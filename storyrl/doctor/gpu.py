@@ -10,6 +10,7 @@ doctor's ``--help`` and its config errors stay fast.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import logging
 import warnings
@@ -141,7 +142,10 @@ def _quiet():
 def _cuda_backend(bnb: Any) -> bool:
     """Whether bitsandbytes loaded its CUDA library (0.43+: ``cextension.lib``;
     older releases: ``COMPILED_WITH_CUDA``)."""
-    cextension = getattr(bnb, "cextension", None)
+    try:  # imported by bitsandbytes' __init__ in every release seen; asked for by name all the same
+        cextension = importlib.import_module("bitsandbytes.cextension")
+    except Exception:  # noqa: BLE001 - no such module: report no CUDA backend
+        cextension = getattr(bnb, "cextension", None)
     lib = getattr(cextension, "lib", None)
     return bool(getattr(lib, "compiled_with_cuda", False) or getattr(cextension, "COMPILED_WITH_CUDA", False))
 
