@@ -337,3 +337,191 @@ def test_tapm_trains_at_each_precision(tmp_path, monkeypatch, tapm_data, stage):
         # one step in, the tiny model may say nothing yet: it ran, and said so
         assert set(out.stories) | set(out.failures) == {r.story_id for r in records}
         assert all(f.startswith("ValueError: empty story") for f in out.failures.values())
+
+
+# -- the TRL trainers: SFT, DPO, reward model ---------------------------------------------------
+# ``precision`` is the weights' dtype and sets TRL's autocast: bf16 weights
+# train under bf16 autocast; fp16 is for an fp16 base under fp32 LoRA
+# adapters (fp16 autocast + GradScaler, on the CPU as on CUDA); fp16 full
+# weights are refused when the config is read.
+
+P1 = "Write a story using exactly {n} sentences for this image sequence. Do not use more than {n} sentences."
+#: (precision, lora): what each run is compared with is the same LoRA setting at fp32.
+TRL_RUNS = [("bf16", False), ("bf16", True), ("fp16", True)]
+LORA = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def story_assets(tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("storyteller")
+    texts = [*tiny_models.TAPM_TEXTS, P1.format(n="three"), P1.format(n="four")]
+    stories = [" ".join(tiny_models.TAPM_TEXTS[0:2]), " ".join(tiny_models.TAPM_TEXTS[2:4])]
+    images = [str(p) for p in tiny_models.write_images(root / "images", 3)]
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": s, "images": images}) + "\n"
+                            for k, s in enumerate(stories)), encoding="utf-8")
+    pairs = root / "pairs.jsonl"
+    rows = [{"prompt": P1.format(n="four"), "chosen": stories[0], "rejected": stories[1], "images": images,
+             "story_id": "s0"},
+            {"prompt": P1.format(n="four"), "chosen": tiny_models.TAPM_TEXTS[4], "rejected": stories[1],
+             "images": images, "story_id": "s1"}]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return {"data": str(data), "pairs": str(pairs), "model": tiny_models.save_tiny_llama(root / "llama", texts),
+            "plain": tiny_models.save_tiny_llama(root / "plain", texts, chat=False)}
+
+
+class TrlRecorder:
+    """``module.build_trainer`` wrapped: the output dtypes of the model's
+    Linear layers while it trains (under autocast: the autocast dtype;
+    without: the weights'), and the trainer, kept."""
+
+    def __init__(self, monkeypatch, module) -> None:
+        self.dtypes: set[torch.dtype] = set()
+        self.trainer = None
+        build = module.build_trainer
+
+        def wrapped(config, progress=True, callbacks=None):
+            out = build(config, progress, callbacks)
+            self.trainer = out[0] if isinstance(out, tuple) else out
+            for layer in self.trainer.model.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    layer.register_forward_hook(self._hook)
+            return out
+
+        monkeypatch.setattr(module, "build_trainer", wrapped)
+
+    def _hook(self, layer, inputs, output) -> None:
+        if torch.is_grad_enabled():
+            self.dtypes.add(output.dtype)
+
+
+def first_log(history, key: str = "loss") -> float:
+    return next(e[key] for e in history if key in e)
+
+
+def check_trl_run(name, precision, lora, rec, result, reference, keys=("loss",)) -> None:
+    """A TRL run at ``precision`` against fp32's (``reference``: its history)."""
+    dtype = DTYPES[precision]
+    assert rec.dtypes == {dtype}, (name, precision, rec.dtypes)
+    assert rec.trainer.args.bf16 == (precision == "bf16") and rec.trainer.args.fp16 == (precision == "fp16")
+    params = dict(rec.trainer.model.named_parameters())
+    trainable = {k for k, p in params.items() if p.requires_grad}
+    if lora:  # the base in the dtype, the adapters (what trains) in fp32
+        assert {params[k].dtype for k in params if k not in trainable} == {dtype}
+        assert {params[k].dtype for k in trainable} == {torch.float32}
+    else:
+        assert {p.dtype for p in params.values()} == {dtype}
+    assert all(torch.isfinite(params[k]).all() for k in trainable)
+    for key in keys:
+        got, ref = first_log(result.history, key), first_log(reference, key)
+        diff = abs(got - ref) / (eps(precision) * max(1.0, abs(ref)))
+        MEASURED[(f"{name} {key}" + (" lora" if lora else ""), precision)] = diff
+        print(f"{name}{' lora' if lora else ''} {precision}: first {key} {got:.6f} vs fp32 {ref:.6f}: {diff:.2f} eps")
+        assert diff <= LOSS_EPS_FACTOR, (name, precision, lora, key, got, ref)
+
+
+def trained_weights(final, lora) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    from pathlib import Path
+
+    name = "adapter_model.safetensors" if lora else "model.safetensors"
+    return load_file(Path(final) / name)
+
+
+@pytest.mark.slow
+def test_sft_trains_at_each_precision_and_bf16_final_is_a_dpo_model(story_assets, tmp_path, monkeypatch,
+                                                                     trl_offline):
+    from storyrl.training import dpo, sft
+
+    def options(out, **extra):
+        return {"model": story_assets["model"], "data": story_assets["data"], "output_dir": str(out), "prompt": "P1",
+                "max_steps": 2, "batch_size": 2, "learning_rate": 1e-3, "logging_steps": 1, "seed": 0, **extra}
+
+    reference = {lora: sft.train(sft.SFTRunConfig.from_mapping(
+        options(tmp_path / f"fp32{lora}", precision="fp32", **({"lora": LORA} if lora else {}))), progress=False)
+        for lora in (False, True)}
+    initial = trained_weights(story_assets["model"], False)
+    for precision, lora in TRL_RUNS:
+        rec = TrlRecorder(monkeypatch, sft)
+        out = tmp_path / f"{precision}{lora}"
+        result = sft.train(sft.SFTRunConfig.from_mapping(
+            options(out, precision=precision, **({"lora": LORA} if lora else {}))), progress=False)
+        check_trl_run("sft", precision, lora, rec, result, reference[lora].history)
+        saved = trained_weights(result.final_dir, lora)
+        assert all(torch.isfinite(v).all() for v in saved.values())
+        if lora:
+            assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # B starts at zero
+        else:
+            assert saved["lm_head.weight"].dtype == DTYPES[precision]
+            assert not torch.equal(saved["lm_head.weight"].float(), initial["lm_head.weight"].float())
+    # SFT at bf16 -> DPO at bf16 (its final/ is the policy and the reference)
+    chained = dpo.train(dpo.DPORunConfig.from_mapping(
+        {**options(tmp_path / "dpo", precision="bf16", max_steps=1), "model": str(tmp_path / "bf16False" / "final"),
+         "pairs": story_assets["pairs"]}), progress=False)
+    assert chained.steps == 1 and math.isfinite(first_log(chained.history))
+
+
+@pytest.mark.slow
+def test_dpo_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_offline):
+    from storyrl.training import dpo
+
+    def config(out, precision, lora):
+        return dpo.DPORunConfig.from_mapping(
+            {"model": story_assets["model"], "data": story_assets["data"], "pairs": story_assets["pairs"],
+             "output_dir": str(out), "prompt": "P1", "max_steps": 2, "batch_size": 2, "learning_rate": 1e-3,
+             "logging_steps": 1, "seed": 0, "precision": precision, **({"lora": LORA} if lora else {})})
+
+    reference = {lora: dpo.train(config(tmp_path / f"fp32{lora}", "fp32", lora), progress=False)
+                 for lora in (False, True)}
+    for precision, lora in TRL_RUNS:
+        rec = TrlRecorder(monkeypatch, dpo)
+        result = dpo.train(config(tmp_path / f"{precision}{lora}", precision, lora), progress=False)
+        # the first loss is log 2 at any precision (policy = reference): the
+        # policy's log-probabilities of the stories are what differ
+        check_trl_run("dpo", precision, lora, rec, result, reference[lora].history,
+                      keys=("loss", "logps/chosen", "logps/rejected"))
+        assert all(math.isfinite(e["loss"]) for e in result.history if "loss" in e)
+        assert result.steps == 2
+
+
+@pytest.mark.slow
+def test_reward_model_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_offline):
+    from storyrl.rewards import create_reward
+    from storyrl.training import reward_model
+
+    def config(out, precision, lora):
+        return reward_model.RewardModelRunConfig.from_mapping(
+            {"model": story_assets["plain"], "pairs": story_assets["pairs"], "output_dir": str(out), "max_steps": 2,
+             "batch_size": 2, "learning_rate": 5e-3, "logging_steps": 1, "seed": 0, "eval_fraction": 0.0,
+             "max_length": 64, "precision": precision, **({"lora": LORA} if lora else {})})
+
+    reference = {lora: reward_model.train(config(tmp_path / f"fp32{lora}", "fp32", lora), progress=False)
+                 for lora in (False, True)}
+    for precision, lora in TRL_RUNS:
+        rec = TrlRecorder(monkeypatch, reward_model)
+        result = reward_model.train(config(tmp_path / f"{precision}{lora}", precision, lora), progress=False)
+        check_trl_run("reward_model", precision, lora, rec, result, reference[lora].history)
+        # final/ is the reward_model reward's model
+        reward = create_reward("reward_model", model=result.final_dir, device="cpu", precision="fp32")
+        assert all(math.isfinite(s) for s in reward.score(["the dog was good and happy ."]))
+
+
+def test_fp16_full_weights_are_refused_when_the_config_is_read(story_assets, tmp_path):
+    """fp16 weights without LoRA: one line naming the key, before any model loads."""
+    from storyrl.config import ConfigError
+    from storyrl.training.dpo import DPORunConfig
+    from storyrl.training.reward_model import RewardModelRunConfig
+    from storyrl.training.sft import SFTRunConfig
+
+    common = {"model": story_assets["model"], "output_dir": str(tmp_path / "o"), "precision": "fp16"}
+    for cls, extra in [(SFTRunConfig, {"data": story_assets["data"]}),
+                       (DPORunConfig, {"data": story_assets["data"], "pairs": story_assets["pairs"]}),
+                       (RewardModelRunConfig, {"pairs": story_assets["pairs"], "model": story_assets["plain"]})]:
+        with pytest.raises(ConfigError) as caught:
+            cls.from_mapping({**common, **extra})
+        message = str(caught.value)
+        assert "\n" not in message and "precision: fp16 weights have no fp32 master copy" in message, message
+        assert "lora.enabled: true" in message
+        cls.from_mapping({**common, **extra, "lora": LORA})  # with adapters it is a config

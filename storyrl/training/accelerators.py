@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-__all__ = ["MIXED_PRECISIONS", "make_accelerator", "resolve_mixed_precision"]
+__all__ = ["MIXED_PRECISIONS", "cpu_fp16", "make_accelerator", "resolve_mixed_precision"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,17 @@ def make_accelerator(mixed_precision: str, **kwargs: Any):
         AcceleratorState._reset_state()
         accelerator = Accelerator(**kwargs)
     if mixed_precision == "fp16" and accelerator.scaler is None:
-        _cpu_fp16(accelerator)
+        cpu_fp16(accelerator)
     return accelerator
 
 
-def _cpu_fp16(accelerator) -> None:
-    """Give a CPU accelerator the fp16 autocast and ``GradScaler`` accelerate
-    makes on CUDA only (module docs). Set before ``prepare``, which wraps the
-    model's forward in the autocast and the optimizer around the scaler;
-    ``backward``, ``save_state`` and ``load_state`` use the scaler too."""
+def cpu_fp16(accelerator) -> None:
+    """Give a CPU accelerator made with ``mixed_precision="fp16"`` the fp16
+    autocast and ``GradScaler`` accelerate makes on CUDA only (module docs;
+    also for the accelerator of a transformers ``Trainer`` with
+    ``fp16=True``). Set before ``prepare``, which wraps the model's forward
+    in the autocast and the optimizer around the scaler; ``backward``,
+    ``clip_grad_norm_``, ``save_state`` and ``load_state`` use the scaler too."""
     import torch
 
     if accelerator.device.type != "cpu":

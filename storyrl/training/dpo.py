@@ -39,7 +39,8 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig, TrlRunOptions, story_completion, turn_end
+from storyrl.training.storyteller import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
+                                         story_completion, turn_end)
 
 __all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
            "train"]
@@ -277,6 +278,7 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
         processing_class=policy.processing_class, peft_config=peft, sample_monitor=monitor,
         callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
     quiet_progress(trainer, progress)
+    match_precision(trainer)
     return trainer
 
 

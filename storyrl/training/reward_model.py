@@ -35,7 +35,7 @@ from storyrl.config import option
 from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import LoraOptions, RunResult, TrlRunOptions
+from storyrl.training.storyteller import LoraOptions, RunResult, TrlRunOptions, match_precision
 
 __all__ = ["HELDOUT_FILE", "TRAINER", "RewardModelResult", "RewardModelRunConfig", "build_trainer", "read_pairs",
            "split_pairs", "train"]
@@ -178,6 +178,7 @@ def load_backbone(config: RewardModelRunConfig):
 
 def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks: list | None = None):
     """(TRL's RewardTrainer, held-out rows, prompt or None), not yet trained."""
+    import torch
     from trl import RewardTrainer
 
     from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
@@ -190,7 +191,15 @@ def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks
                             train_dataset=_dataset(train_rows, tokenizer, prompt, config.max_length),
                             processing_class=tokenizer, peft_config=_lora(config),
                             callbacks=[HistoryCallback(config.output_dir), *(callbacks or [])])
+    if config.lora.enabled:
+        # peft trains a copy of the new score head beside the adapters, in the
+        # base's dtype: fp16 weights the GradScaler refuses to unscale. Like
+        # the adapters it trains in fp32 (autocast casts for the forward).
+        for param in trainer.model.parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
     quiet_progress(trainer, progress)
+    match_precision(trainer)
     return trainer, held, prompt
 
 

@@ -32,7 +32,8 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import RunResult, StorytellerConfig, TrlRunOptions, story_completion, turn_end
+from storyrl.training.storyteller import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
+                                         story_completion, turn_end)
 
 __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset", "train"]
 
@@ -122,6 +123,7 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
         logging.getLogger(__name__).warning("max_length %d: %d of %d stories do not fit after their prompt; they are "
                                             "left out", config.max_length, total - kept, total)
     quiet_progress(trainer, progress)
+    match_precision(trainer)
     return trainer
 
 

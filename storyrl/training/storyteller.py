@@ -21,7 +21,7 @@ from storyrl.datasets import DATA_FORMATS
 from storyrl.models.runtime import PRECISIONS
 from storyrl.models.vlm import DEFAULT_VLM
 
-__all__ = ["POLICIES", "SETTINGS", "LoraOptions", "RunResult", "StorytellerConfig", "TrlRunOptions"]
+__all__ = ["POLICIES", "SETTINGS", "LoraOptions", "RunResult", "StorytellerConfig", "TrlRunOptions", "match_precision"]
 
 POLICIES = ("auto", "causal_lm", "vlm", "tapm")
 #: How the policy sees the image sequence (see StorytellerConfig.setting).
@@ -147,24 +147,46 @@ class TrlRunOptions(Config):
         from storyrl.training.rl.ppo.config import TRACKERS
 
         trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        return super()._problems() + [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}"
-                                      for t in trackers if t not in TRACKERS]
+        problems = [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}"
+                    for t in trackers if t not in TRACKERS]
+        lora = getattr(self, "lora", None)
+        if getattr(self, "precision", None) == "fp16" and not (lora is not None and lora.enabled):
+            # fp16=True's GradScaler refuses fp16 gradients, and without it Adam's
+            # updates (and its eps) underflow in fp16 weights: nothing trains them right.
+            problems.append("precision: fp16 weights have no fp32 master copy to train; use bf16 or fp32, or "
+                            "train fp32 LoRA adapters on the fp16 base (lora.enabled: true)")
+        return super()._problems() + problems
 
     def trl_arguments(self, progress: bool) -> dict[str, Any]:
         """These keys as TRL config arguments (TrainingArguments names), on
-        the CPU without CUDA, in bf16 on a GPU when ``precision`` says so."""
+        the CPU without CUDA. The weights' ``precision`` (of the subclass)
+        sets TRL's autocast: bf16 weights run under bf16 autocast, an fp16
+        base under fp16 autocast with loss scaling (its fp32 LoRA adapters
+        are what trains), on the CPU as on a GPU (:func:`match_precision`)."""
         import torch
 
         from storyrl.training.rl.policy import training_dtype
 
-        cuda = torch.cuda.is_available()
+        dtype = training_dtype(getattr(self, "precision", "fp32"))
         return dict(
             output_dir=self.output_dir, seed=self.seed, max_steps=self.max_steps or -1,
             num_train_epochs=self.epochs, learning_rate=self.learning_rate,
             per_device_train_batch_size=self.batch_size, gradient_accumulation_steps=self.gradient_accumulation_steps,
             max_length=self.max_length, logging_steps=self.logging_steps, save_steps=self.save_steps,
             report_to=self.report_to, disable_tqdm=not progress,
-            use_cpu=not cuda, bf16=cuda and training_dtype(self.precision) == torch.bfloat16)
+            use_cpu=not torch.cuda.is_available(), bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+
+
+def match_precision(trainer: Any) -> Any:
+    """``trainer`` (a transformers/TRL Trainer, not yet trained) with the
+    fp16 autocast and GradScaler its ``fp16=True`` asks for on the CPU too,
+    where accelerate makes neither and would train in whatever dtype the
+    weights have (:func:`storyrl.training.accelerators.cpu_fp16`)."""
+    if trainer.args.fp16 and trainer.accelerator.scaler is None:
+        from storyrl.training.accelerators import cpu_fp16
+
+        cpu_fp16(trainer.accelerator)
+    return trainer
 
 
 @dataclass(kw_only=True)
