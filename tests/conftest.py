@@ -36,6 +36,30 @@ def load_story_json(*parts: str) -> dict[str, str]:
     return json.loads(shared_path(*parts).read_text(encoding="utf-8"))
 
 
+# -- reduced precision against fp32 ---------------------------------------------
+
+#: Machine epsilon of each reduced precision (2^-10 for fp16's 10-bit mantissa,
+#: 2^-7 for bf16's 7-bit one).
+EPS = {"fp16": 2.0**-10, "bf16": 2.0**-7}
+#: Allowed error in units of EPS x the score's scale: every layer of the tiny
+#: models rounds its activations to the dtype (relative error <= EPS/2 each)
+#: and these errors compound through their 2 to 4 layers, grown by the
+#: weights' gain (the contract's Vrank BERT has weights of std 0.5, 25x
+#: BERT's, to spread its scores). Measured on the CPU: at most 7.4 EPS
+#: (vrank, fp16), 3.1 (groovist, bf16), under 1 for the others.
+ULPS = 16
+
+
+def precision_tolerance(precision: str, fp32_scores) -> float:
+    """Absolute tolerance of a reduced-precision run against fp32: ``ULPS``
+    units of the dtype's roundoff times the scores' scale (at least 1)."""
+    import numpy as np
+
+    fp32_scores = np.asarray(fp32_scores, dtype=float)
+    finite = fp32_scores[np.isfinite(fp32_scores)]
+    return ULPS * EPS[precision] * max(1.0, float(np.abs(finite).max(initial=0.0)))
+
+
 # -- tiny random-weight models and their files (built in tiny_models.py) --------
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import shared_path
+from conftest import precision_tolerance, shared_path
 
 import storyrl  # noqa: F401  (before torch/transformers: CPU torchvision fallback)
 from storyrl.rewards import REWARDS, Reward, build_reward, create_reward
@@ -319,25 +319,6 @@ def test_name_is_set(case):
 
 
 # -- the precision axis --------------------------------------------------------------------
-
-#: Unit roundoff of each reduced precision (2^-10 for fp16's 10-bit mantissa,
-#: 2^-7 for bf16's 7-bit one).
-EPS = {"fp16": 2.0**-10, "bf16": 2.0**-7}
-#: Allowed error in units of EPS x the score's scale: every layer of the tiny
-#: models rounds its activations to the dtype (relative error <= EPS/2 each)
-#: and these errors compound through their 2 to 4 layers, grown by the
-#: weights' gain (the contract's Vrank BERT has weights of std 0.5, 25x
-#: BERT's, to spread its scores). Measured on the CPU: at most 7.4 EPS
-#: (vrank, fp16), 3.1 (groovist, bf16), under 1 for the others.
-ULPS = 16
-
-
-def precision_tolerance(precision: str, fp32_scores: np.ndarray) -> float:
-    """Absolute tolerance of a reduced-precision run against fp32: ``ULPS``
-    units of the dtype's roundoff times the scores' scale (at least 1)."""
-    finite = fp32_scores[np.isfinite(fp32_scores)]
-    return ULPS * EPS[precision] * max(1.0, float(np.abs(finite).max(initial=0.0)))
-
 
 def _at(reward: Reward, precision: str) -> Reward:
     """A fresh copy of ``reward`` (its own config) at ``precision`` on the CPU."""

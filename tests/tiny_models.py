@@ -71,6 +71,33 @@ def save_tiny_clip(directory: Path, seed: int = 0) -> str:
     return f"local-dir:{directory}"
 
 
+TINY_CLIP_TOWERS = {
+    # open_clip's ModifiedResNet (the RN50 family's tower), one block per stage
+    "resnet": {"image_size": 32, "layers": [1, 1, 1, 1], "width": 16, "head_width": 16},
+    # a timm trunk (resnet18, random weights) with open_clip's linear projection
+    "timm": {"image_size": 32, "timm_model_name": "resnet18", "timm_model_pretrained": False,
+             "timm_pool": "avg", "timm_proj": "linear"},
+}
+
+
+def save_tiny_clip_tower(directory: Path, tower: str, seed: int = 0) -> str:
+    """:func:`save_tiny_clip` with another image tower (``TINY_CLIP_TOWERS``:
+    ``"resnet"`` or ``"timm"``) and a 1-layer text tower, as a ``local-dir:``
+    model name."""
+    _torchvision_fallback()
+    import open_clip
+    import torch
+
+    cfg = {**TINY_CLIP_CFG, "vision_cfg": TINY_CLIP_TOWERS[tower], "text_cfg": {**TINY_CLIP_CFG["text_cfg"], "layers": 1}}
+    directory.mkdir(parents=True, exist_ok=True)
+    if not (directory / "open_clip_pytorch_model.bin").exists():
+        torch.manual_seed(seed)
+        model = open_clip.CLIP(**cfg)
+        (directory / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
+        torch.save(model.state_dict(), directory / "open_clip_pytorch_model.bin")
+    return f"local-dir:{directory}"
+
+
 def write_images(directory: Path, n: int = 3, size: tuple[int, int] = (48, 40)) -> list[Path]:
     """``n`` distinct small RGB images (colour gradients, ``size`` = width,
     height) as ``img0.png``, ``img1.png``, ... in ``directory``; the colours

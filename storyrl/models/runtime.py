@@ -86,7 +86,12 @@ def check_runs(run: Callable[[], Any], what: str, precision: str, device) -> Non
             raise
         raise PrecisionError(f"{what} cannot run at precision {precision} on {device} ({detail}); "
                              "set the precision option to fp32") from exc
-    check_finite(out, what, precision)
+    try:
+        check_finite(out, what, precision)
+    except ModelFailure as exc:
+        if precision == "fp32":
+            raise
+        raise PrecisionError(str(exc)) from None  # a load-time refusal, like the error above
 
 
 _SHARED: dict[Hashable, Any] = {}
