@@ -285,6 +285,8 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     rows = []
     for label, key, extra in models:
         with row(section, label):
+            if not ctx.tiny:
+                ctx.need_cuda(f"the 7B {label} policy")
             ctx.check(f"rl {key}", 420, 40, f"rl {label}")  # 7B: build, save, PPO and GRPO
             if extra.get("load_in_4bit"):
                 if not ctx.cuda:

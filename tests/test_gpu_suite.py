@@ -70,6 +70,51 @@ def report(tmp_path_factory) -> str:
     return text
 
 
+# --precision fp16 / bf16: the parts whose models take a dtype (arch counts shapes only). The RL part, the
+# expensive one, runs at bf16 (the policy's dtype on a GPU under storyrl's auto), fp16's RL at fp32's cost is
+# left out to keep this file's time near one --tiny run's; the rewards inside it run at bf16 too.
+PRECISION_PARTS = {"fp16": ["generate", "clip", "pairs"], "bf16": ["generate", "clip", "pairs", "rl"]}
+
+
+@pytest.fixture(scope="module")
+def precision_reports(tmp_path_factory) -> dict[str, str]:
+    out = {}
+    for precision, parts in PRECISION_PARTS.items():
+        path = tmp_path_factory.mktemp(f"suite_{precision}") / "report.md"
+        status = gpu_suite.main(["--tiny", "--device", "cpu", "--threads", "1", "--precision", precision,
+                                 "--parts", ",".join(parts), "--out", str(path)])
+        out[precision] = path.read_text(encoding="utf-8")
+        assert status == 0, out[precision]  # a dtype error in any model is a FAILED row: exit status 1
+    return out
+
+
+@pytest.mark.parametrize("precision", list(PRECISION_PARTS))
+def test_tiny_runs_at_each_precision(precision_reports, precision):
+    """--tiny at fp16 and bf16 on the CPU: every part runs (no FAILED row),
+    and every model-backed row's weights really are in that dtype."""
+    report = precision_reports[precision]
+    assert f"- precision: {precision} (rewards, generation, the RL policy and its rewards)" in report
+    found = sections(report)
+    assert list(found) == PRECISION_PARTS[precision]
+    summary = {r["part"]: r["status"] for r in tables(report.split("\n## ", 2)[1])[0]}
+    assert set(summary.values()) == {"ok"}, summary
+    checked = 0
+    for key, text in found.items():
+        assert "FAILED" not in text, text
+        rows = [r for t in tables(text) for r in t]
+        assert rows, key
+        for r in rows:
+            weights = r.get("policy weights", r.get("weights"))
+            assert weights == precision, (key, r)
+            checked += 1
+            if "precision" in r:
+                assert r["precision"] == precision, (key, r)
+    # generate 2 settings, clip 4 rows + ResNet, pairs 2, rl 4
+    assert checked == 9 + (4 if "rl" in found else 0)
+    if "rl" in found:
+        assert f"- precision: {precision} for the policy, {precision} for the dhm reward's models" in found["rl"]
+
+
 def test_every_part_has_figures_or_a_skip_reason(report):
     found = sections(report)
     assert list(found) == list(gpu_suite.PARTS)
@@ -85,6 +130,12 @@ def test_every_part_has_figures_or_a_skip_reason(report):
     assert "- device: CPU only" in report and "- mode: --tiny" in report
     assert re.search(r"\n- command: `python benchmarks/gpu_suite.py --tiny --device cpu --threads 1 --out \S+`\n", report)
     assert "INCOMPLETE" not in report  # written after every part; the last write is the whole report
+    # --precision auto on the CPU: every model in fp32
+    assert "- precision: auto: fp32 for the rewards and generation" in report
+    weights = [r.get("policy weights", r.get("weights")) for text in found.values() for t in tables(text) for r in t
+               if "weights" in r or "policy weights" in r]
+    assert len(weights) == 13 and set(weights) == {"fp32"}, weights
+    assert "- noun phrases (the dhm reward's GROOViST): regex (--tiny: the cheap regular expression)" in found["rl"]
 
 
 def test_numbers_parse(report):
@@ -126,7 +177,7 @@ def test_batched_and_one_at_a_time_agree(report):
 
 def test_cuda_parts_say_why_they_were_skipped(report):
     found = sections(report)
-    for key, what in [("generate", "fp16"), ("generate", "4-bit NF4"), ("generate", "vLLM"),
+    for key, what in [("generate", "4-bit NF4"), ("generate", "vLLM"),
                       ("rl", "LLaMA-2-7B 4-bit + LoRA, its 4-bit base")]:
         assert re.search(rf"- skipped: {re.escape(what)}: no CUDA device", found[key]), (key, what)
     assert re.search(r"- skipped: deepspeed: (deepspeed is not installed|no CUDA device)", found["deepspeed"])
@@ -576,3 +627,125 @@ def test_rl_llava_links_the_shared_weights(tmp_path, monkeypatch):
     assert AutoProcessor.from_pretrained(policy).chat_template == gpu_suite_rl.MISTRAL_CHAT_TEMPLATE
     assert not AutoProcessor.from_pretrained(shared).chat_template
     assert not (tmp_path / "rl" / "llava_processor").exists()
+
+
+# -- --quick, --precision, the noun-phrase choice ----------------------------------------------
+
+
+def test_quick_plan_fits_eight_minutes_in_order():
+    """--quick: the RL rows (PPO and GRPO) first, then generate (fp16 / 4-bit),
+    then CLIP and pairs; its parts' estimates plus the install add up to at
+    most 8 minutes, and its default budget is what is left after the install."""
+    plan = gpu_suite_report.QUICK_PARTS
+    assert gpu_suite.QUICK_ORDER[:4] == ["rl", "generate", "clip", "pairs"]
+    assert sorted(gpu_suite.QUICK_ORDER) == sorted(gpu_suite.PARTS) == sorted(plan)
+    install = gpu_suite_report.ALLOWANCE["install_s"]
+    assert sum(plan.values()) + install <= 8 * 60 == gpu_suite_report.QUICK_TOTAL_S
+    args = gpu_suite.parse_args(["--quick"])
+    assert args.parts == gpu_suite.QUICK_ORDER and args.quick and not args.tiny
+    assert args.budget_minutes == pytest.approx((8 * 60 - install) / 60)
+    assert sum(plan[k] for k in args.parts) <= args.budget_minutes * 60
+    # the default run keeps the suite order and 40 minutes; an explicit budget is kept
+    args = gpu_suite.parse_args([])
+    assert args.parts == list(gpu_suite.PARTS) and args.budget_minutes == 40
+    assert gpu_suite.parse_args(["--quick", "--budget-minutes", "5"]).budget_minutes == 5
+    # the estimates are the measured figures' arithmetic: e.g. the rl part's GRPO runs
+    rows, h100, allow = gpu_suite_report.QUICK_ROWS, gpu_suite_report.H100, gpu_suite_report.ALLOWANCE
+    assert rows["rl llava run"] == allow["llava_load_s"] + gpu_suite_report.QUICK_RL_STEPS * h100["grpo_llava_step_s"]
+    assert rows["rl llama run"] == allow["llama_4bit_load_s"] + gpu_suite_report.QUICK_RL_STEPS * 9.8
+    assert plan["rl"] == allow["rl_assets_s"] + rows["rl llava"] + rows["rl llama"]
+
+
+def test_quick_runs_full_size_and_skips_what_no_longer_fits(tmp_path, monkeypatch):
+    """The driver under --quick: parts in QUICK_ORDER, each given a full-size
+    (not tiny) quick context; a part whose estimate exceeds the time left is
+    skipped with the reason, not started."""
+    clock = [0.0]
+    monkeypatch.setattr(gpu_suite_report.time, "perf_counter", lambda: clock[0])
+    seen = []
+
+    def runner(key, spend):
+        def run(ctx, section):
+            seen.append((key, ctx.quick, ctx.tiny, ctx.precision))
+            clock[0] += spend
+            section.table([{"figure": 1}])
+        return run
+
+    plan = dict(gpu_suite_report.QUICK_PARTS)
+    spend = {"rl": plan["rl"] + 100}  # the rl part overruns its estimate by 100 s
+    for key in gpu_suite.PARTS:
+        title = gpu_suite.PARTS[key][0]
+        monkeypatch.setitem(gpu_suite.PARTS, key, (title, runner(key, spend.get(key, plan[key])), 1, 1))
+    out = tmp_path / "r.md"
+    assert gpu_suite.main(["--quick", "--device", "cpu", "--precision", "bf16", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert list(sections(text)) == gpu_suite.QUICK_ORDER
+    assert all(quick and not tiny and precision == "bf16" for _, quick, tiny, precision in seen)
+    ran = [key for key, *_ in seen]
+    assert ran[:2] == ["rl", "generate"] and ran == [k for k in gpu_suite.QUICK_ORDER if k in ran]
+    skipped = [k for k in gpu_suite.QUICK_ORDER if k not in ran]
+    assert "clip" in skipped and "pairs" in ran  # 100 s over: clip (37 s) no longer fits, pairs (20 s) still does
+    for key in skipped:
+        assert re.search(rf"- skipped: {key}: time budget: needs ~\d+\.\d min, \d+\.\d min left of 7\.33333 "
+                         rf"\(estimate of part {key}\)", sections(text)[key])
+    assert "- mode: --quick (full-size architectures" in text
+    summary = tables(text.split("\n## ", 2)[1])[0]
+    assert [float(r["estimate (s)"]) for r in summary] == pytest.approx([round(plan[k]) for k in gpu_suite.QUICK_ORDER])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--precision", "fp8"], "invalid choice: 'fp8'"),
+    (["--tiny", "--quick"], "not allowed with argument"),
+])
+def test_bad_mode_and_precision(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        gpu_suite.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_context_sizes_and_precision():
+    budget = gpu_suite_report.Budget(1)
+    ctx = gpu_suite_report.Context
+    assert ctx(True, "cpu", budget, Path(".")).pick(1, 2, 3) == 1
+    assert ctx(False, "cuda", budget, Path("."), quick=True).pick(1, 2, 3) == 2
+    assert ctx(False, "cuda", budget, Path(".")).pick(1, 2, 3) == 3
+    assert ctx(False, "cuda", budget, Path(".")).dtype_name == "fp16"
+    assert ctx(True, "cpu", budget, Path(".")).dtype_name == "fp32"
+    assert ctx(True, "cpu", budget, Path("."), precision="bf16").dtype_name == "bf16"
+    # a quick row's budget check takes QUICK_ROWS' estimate
+    with pytest.raises(gpu_suite_report.Skip, match=r"needs ~1\.5 min, 1\.0 min left of 1 \(x\)"):
+        ctx(False, "cuda", budget, Path("."), quick=True).check("rl llava", 1, 1, "x")
+
+
+def test_noun_phrase_extractor_chosen_by_what_is_installed(monkeypatch):
+    rl_step = SimpleNamespace(NP_EXTRACTORS={"spacy-sm-shape": object, "regex": object})
+    monkeypatch.setattr(gpu_suite_rl, "_have", lambda module: module == "spacy")
+    assert gpu_suite_rl.noun_phrase_extractor(rl_step, tiny=False) == ("spacy-sm-shape", "spaCy is installed")
+    assert gpu_suite_rl.noun_phrase_extractor(rl_step, tiny=True)[0] == "regex"
+    monkeypatch.setattr(gpu_suite_rl, "_have", lambda module: False)
+    assert gpu_suite_rl.noun_phrase_extractor(rl_step, tiny=False) == (
+        "regex", "spaCy is not installed: regular-expression noun phrases")
+    assert gpu_suite_rl.noun_phrase_extractor(SimpleNamespace(), tiny=False)[0] == ""  # rl_step's own default
+
+
+def test_precision_reaches_every_model_of_a_reward_spec():
+    spec = {"reward": "dhm", "rewards": {"grounding": {"clip_model": "c", "device": "cpu"},
+                                         "coherence": {"model": "m"}}}
+    assert gpu_suite_rl._with_precision(spec, "bf16") == {
+        "reward": "dhm", "rewards": {"grounding": {"clip_model": "c", "device": "cpu", "precision": "bf16"},
+                                     "coherence": {"model": "m", "precision": "bf16"}}}
+    assert gpu_suite_rl._with_precision("bleu", "bf16") == "bleu"
+    assert "precision" not in spec["rewards"]["coherence"]  # not changed in place
+
+
+def test_weights_dtype_reads_the_matmul_layers():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Embedding(1000, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    assert gpu_suite_report.weights_dtype(model) == "fp32"
+    model[1].to(torch.float16)  # the embedding (most parameters) and the norm stay fp32
+    assert gpu_suite_report.weights_dtype(model) == "fp16"
+    assert gpu_suite_report.weights_dtype(SimpleNamespace(net=model.to(torch.bfloat16))) == "bf16"
+    assert gpu_suite_report.weights_dtype((None, model)) == "bf16"
+    assert gpu_suite_report.weights_dtype(None, "text") is None
