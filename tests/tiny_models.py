@@ -88,7 +88,8 @@ def save_tiny_clip_tower(directory: Path, tower: str, seed: int = 0) -> str:
     import open_clip
     import torch
 
-    cfg = {**TINY_CLIP_CFG, "vision_cfg": TINY_CLIP_TOWERS[tower], "text_cfg": {**TINY_CLIP_CFG["text_cfg"], "layers": 1}}
+    text_cfg = {**TINY_CLIP_CFG["text_cfg"], "layers": 1}
+    cfg = {**TINY_CLIP_CFG, "vision_cfg": TINY_CLIP_TOWERS[tower], "text_cfg": text_cfg}
     directory.mkdir(parents=True, exist_ok=True)
     if not (directory / "open_clip_pytorch_model.bin").exists():
         torch.manual_seed(seed)

@@ -4,7 +4,15 @@ model-based rewards.
 Models load once per process (:func:`shared_model`): every reward asking for
 the same model gets the same instance, and with it the same in-memory
 embedding caches. :func:`release_models` forgets them all. Light to import:
-torch is imported only by :func:`resolve_device` and :func:`resolve_dtype`.
+torch is imported only inside the functions that need it.
+
+Precision (a model reward's ``precision`` option) is the dtype the model's
+weights are held in and its floating inputs are cast to; its outputs are
+converted to float32 before any math (normalisation, cosine, softmax). Every
+model runs one tiny input when it loads (:func:`check_runs`), so that a
+precision it cannot run in is refused then (:class:`PrecisionError`, one
+line naming the option) rather than failing every story, and non-finite
+outputs (fp16 overflow) raise :class:`ModelFailure` instead of NaN scores.
 """
 
 from __future__ import annotations

@@ -193,8 +193,10 @@ class Reward(Configurable):
 
         Raises TypeError when ``stories`` is not a list, ValueError when a
         per-story context column has the wrong length, the loading error when
-        the reward's models cannot load, and RewardError when its scoring
-        raises for every story (a broken reward, not bad input)."""
+        the reward's models cannot load (a PrecisionError, a ValueError, when
+        a model cannot run at its ``precision``), and RewardError when its
+        scoring raises for every story (a broken reward, not bad input) or
+        its model gives non-finite outputs (at once: no story causes that)."""
         return self._evaluate(stories, context, None)
 
     def __call__(self, prompts=None, completions=None, **kwargs: Any) -> list[float | None]:
