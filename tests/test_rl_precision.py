@@ -55,14 +55,15 @@ def base():
     return tokenizer, tiny_models.tiny_llama(tokenizer)
 
 
-def _ppo(tmp_path, base, weights="fp32", mixed="no", lora=False):
+def _ppo(tmp_path, base, weights="fp32", mixed="no", lora=False, **options):
     from storyrl.training.rl.ppo import PPOTrainer
 
     tokenizer, model = base
     model = copy.deepcopy(model).to(DTYPES[weights])
     args = ppo_args(tmp_path / f"{weights}-{mixed}-{lora}", mixed_precision=mixed, num_mini_batches=1,
                     gradient_accumulation_steps=1, num_ppo_epochs=1, max_steps=1, response_length=8,
-                    whiten_advantages=False)  # whitened, the first policy loss is 0 whatever the precision
+                    whiten_advantages=False,  # whitened, the first policy loss is 0 whatever the precision
+                    **options)
     return PPOTrainer(model, constant, args, text_dataset(), processing_class=tokenizer,
                       peft_config=lora_config() if lora else None)
 
@@ -70,8 +71,8 @@ def _ppo(tmp_path, base, weights="fp32", mixed="no", lora=False):
 def _first_update(trainer, rollout, head_state):
     """(log-probs, reference log-probs, values, policy loss, value loss,
     trainable weights before and after) of one update on ``rollout``."""
-    head = trainer.accelerator.unwrap_model(trainer.model).value_head
-    head.load_state_dict(head_state)  # the same critic as the fp32 trainer's (its init draws from the RNG)
+    if head_state is not None:  # the same critic as the fp32 trainer's (its init draws from the RNG)
+        trainer.accelerator.unwrap_model(trainer.model).value_head.load_state_dict(head_state)
     logprobs, ref_logprobs, values = trainer._evaluate(rollout)
     scores = torch.tensor([0.5, -0.2, 0.1, 0.3])  # fixed scores: the comparison is about the forwards
     batch = trainer._advantages(rollout, scores, torch.ones(4, dtype=torch.bool), logprobs, ref_logprobs, values)[0]
@@ -122,6 +123,39 @@ def test_ppo_first_update_at_each_precision_matches_fp32(tmp_path, base, fp32_ru
         pytest.fail(f"the update was not applied (updates {got[5]}, skipped by the GradScaler)")
 
 
+@pytest.fixture(scope="module")
+def value_model_dir(base, tmp_path_factory):
+    from transformers import LlamaForSequenceClassification
+
+    tokenizer, policy = base
+    torch.manual_seed(1)
+    model = LlamaForSequenceClassification(policy.config.__class__(**{**policy.config.to_dict(), "num_labels": 1}))
+    directory = tmp_path_factory.mktemp("value_model")
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("weights,mixed,lora,critic", [("bf16", "no", False, torch.bfloat16),
+                                                       ("fp16", "no", True, torch.float32),
+                                                       ("fp32", "bf16", False, torch.float32)])
+def test_ppo_value_model_at_each_precision_matches_fp32(tmp_path, base, fp32_run, value_model_dir, weights, mixed,
+                                                        lora, critic):
+    """ppo.value_model loads in the policy's dtype, fp16 excepted (it
+    trains every weight); its values match the fp32 critic's."""
+    rollout = fp32_run[0]
+    reference = _first_update(_ppo(tmp_path / "ref", base, value_model=value_model_dir), rollout, None)
+    trainer = _ppo(tmp_path, base, weights, mixed, lora, value_model=value_model_dir)
+    value_model = trainer.accelerator.unwrap_model(trainer.model).value_model
+    assert value_model.dtype == critic
+    got = _first_update(trainer, rollout, None)
+    tol = TOLERANCE["bf16" if "bf16" in (weights, mixed) else "fp16"]
+    diff = ((got[2] - reference[2]).abs() * rollout.response_mask()).max().item()
+    assert diff <= tol, f"values: max |diff| {diff:.4g} > {tol}"
+    assert abs(got[4] - reference[4]) <= tol and math.isfinite(got[4])
+    moved = [n for n in got[6] if not torch.equal(got[6][n], got[7][n])]
+    assert any(n.startswith("value_model.") for n in moved)
+
+
 def test_fp16_weights_are_refused_without_lora_and_bf16_on_a_gpu_without_it(tmp_path, monkeypatch):
     from storyrl.training.rl.config import RLConfig
     from storyrl.training.rl.ppo.config import PPOConfig
@@ -130,6 +164,11 @@ def test_fp16_weights_are_refused_without_lora_and_bf16_on_a_gpu_without_it(tmp_
     data.write_text('{"story_id": "a", "story": "x .", "image_ids": ["1"]}\n')
     base_keys = {"model": "m", "policy": "causal_lm", "setting": "text", "data": str(data),
                  "output_dir": str(tmp_path / "o"), "rewards": ["bleu"], "algorithm": "grpo"}
+    if not torch.cuda.is_available():  # TRL's fp16 flag would silently train in fp32 here
+        for algorithm in ("grpo", "rloo"):
+            with pytest.raises(ValueError, match=rf"{algorithm}.fp16: TRL's Trainer makes fp16 autocast and its "
+                                                 r"GradScaler on CUDA only"):
+                RLConfig.from_mapping({**base_keys, "algorithm": algorithm, algorithm: {"fp16": True}})
     with pytest.raises(ValueError, match=r"precision: fp16 would train the policy's own weights in fp16"):
         RLConfig.from_mapping({**base_keys, "precision": "fp16"})
     RLConfig.from_mapping({**base_keys, "precision": "fp16", "lora": {"enabled": True}})  # fp32 adapters: fine
@@ -142,3 +181,80 @@ def test_fp16_weights_are_refused_without_lora_and_bf16_on_a_gpu_without_it(tmp_
     PPOConfig(mixed_precision="fp16")
     with pytest.raises(ValueError, match=r"precision: bf16 needs a GPU with bf16 support"):
         RLConfig.from_mapping({**base_keys, "precision": "bf16", "grpo": {"use_cpu": True, "bf16": False}})
+
+
+# -- GRPO / RLOO (TRL) ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_assets(tmp_path_factory):
+    import json
+
+    root = tmp_path_factory.mktemp("trl")
+    data = root / "data.jsonl"
+    with data.open("w", encoding="utf-8") as f:
+        for k in range(4):
+            f.write(json.dumps({"story_id": f"s{k}", "story": CORPUS[k], "image_ids": ["a", "b", "c"]}) + "\n")
+    return {"data": str(data), "model": tiny_models.save_tiny_llama(root / "llama", CORPUS)}
+
+
+def _trl_run(assets, out, algorithm, precision="fp32", lora=False, **flags):
+    """One GRPO/RLOO step through storyrl's train_trl; returns (trainer,
+    the fixed batch's log-probabilities at the first step under the
+    trainer's own autocast, trainable weights before and after)."""
+    from transformers import TrainerCallback
+
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.data import build_dataset
+    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.rl.trl_trainers import train_trl
+
+    section = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6,
+               "learning_rate": 1e-3, "beta": 0.1, "logging_steps": 1, "save_strategy": "no", **flags}
+    config = RLConfig.from_mapping({
+        "algorithm": algorithm, "model": assets["model"], "data": assets["data"], "output_dir": str(out),
+        "rewards": ["repetition", "bleu"], "reward_weights": [0.0, 1.0], "max_steps": 1, "prompt": "P1",
+        "policy": "causal_lm", "setting": "text", "precision": precision,
+        "lora": {"enabled": lora, "r": 4, "alpha": 8}, algorithm: section})
+    policy = load_policy(config)
+    assert policy.model.dtype == DTYPES[precision]
+    dataset = build_dataset(config, policy.kind, policy.processing_class)
+    ids = policy.tokenizer(CORPUS[:2], return_tensors="pt", padding=True)["input_ids"]
+    seen = {}
+
+    class FixedBatch(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            # the prepared model: its forward runs in the trainer's autocast
+            seen["before"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+            with torch.no_grad():
+                logits = model(input_ids=ids.to(model.device)).logits.float()
+            seen["logprobs"] = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen["after"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    rewards = config.build_rewards()
+    for reward in rewards:
+        reward.setup()
+    trainer = train_trl(config, policy, dataset, rewards, progress=False, callbacks=[FixedBatch()])
+    return trainer, seen
+
+
+TRL_CASES = [("bf16", False, {"bf16": True}), ("fp32", False, {"bf16": True}), ("bf16", False, {}),
+             ("fp16", True, {}), ("bf16", True, {"bf16": True})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
+@pytest.mark.parametrize("precision,lora,flags", TRL_CASES,
+                         ids=[f"{p}-{'lora' if lo else 'full'}-{'bf16' if f else 'nomp'}" for p, lo, f in TRL_CASES])
+def test_trl_step_at_each_precision_trains_and_matches_fp32(trl_assets, tmp_path, algorithm, precision, lora, flags):
+    _, reference = _trl_run(trl_assets, tmp_path / "fp32", algorithm, lora=lora)
+    trainer, seen = _trl_run(trl_assets, tmp_path / precision, algorithm, precision, lora, **flags)
+    tol = TOLERANCE["bf16" if "bf16" in (precision, *flags) else "fp16"]
+    diff = (seen["logprobs"] - reference["logprobs"]).abs().max().item()
+    assert diff <= tol, f"fixed batch log-probs: max |diff| {diff:.4g} > {tol}"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(v) for v in losses)
+    moved = [n for n in seen["before"] if not torch.equal(seen["before"][n], seen["after"][n])]
+    assert moved and all(("lora_" in n) == lora or not lora for n in moved)

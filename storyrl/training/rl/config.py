@@ -221,6 +221,13 @@ class RLConfig(StorytellerConfig):
         if self.precision == "fp16" and not (self.lora.enabled or self.load_in_4bit):
             problems.append("precision: fp16 would train the policy's own weights in fp16 (no fp32 copy, no loss "
                             "scaling); use lora (fp16 base, fp32 adapters), bf16, or fp32 with mixed precision")
+        fp16 = [f"{name}.fp16" for name in ("grpo", "rloo") if getattr(getattr(self, name), "fp16", False) is True]
+        if fp16:
+            import torch
+
+            if not torch.cuda.is_available():  # measured: the CPU step's log-probs equal fp32's exactly
+                problems.append(f"{', '.join(fp16)}: TRL's Trainer makes fp16 autocast and its GradScaler on CUDA "
+                                "only, and on the CPU would train in fp32; use bf16: true or leave fp16 off")
         # (ppo.mixed_precision: bf16 is PPOConfig's own check)
         keys = [k for k, on in (("precision", self.precision == "bf16"),
                                 ("grpo.bf16", getattr(self.grpo, "bf16", False) is True),

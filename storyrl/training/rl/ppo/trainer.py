@@ -230,7 +230,11 @@ class PPOTrainer:
             self.ref_model.to(device)
 
         if value_model is None and args.value_model is not None:
-            value_model = load_value_model(args.value_model, self.adapter.tokenizer)
+            # In the policy's dtype (a bf16 7B policy beside an fp32 7B critic would not fit where the policy
+            # does), but never fp16: the critic trains all its weights (an fp16 base trains through LoRA only).
+            dtype = getattr(model, "dtype", None)
+            dtype = torch.float32 if dtype in (None, torch.float16) or not dtype.is_floating_point else dtype
+            value_model = load_value_model(args.value_model, self.adapter.tokenizer, dtype=dtype)
         elif value_model is not None:
             check_value_model(value_model, self.adapter.tokenizer)
         if value_model is not None and is_tapm:
