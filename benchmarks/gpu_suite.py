@@ -23,17 +23,35 @@ Parts (``--parts``, comma-separated; default all, in this order):
   on one GPU, a few PPO steps of a small policy, in a subprocess.
 
 Every model has random weights built from a config in gpu_suite_arch.py (no
-hub: the GPU machine has no network) and a word-level tokenizer built here.
+hub: the GPU machine has no network) and a word-level tokenizer built here,
+filled with filler words to the real vocabulary size (LLaVA-NeXT-7B 32,064,
+LLaMA-2 32,000, ALBERT 30,000, BERT 30,522). The 7B LLaVA-NeXT is built once
+per run and shared by the rl and generate parts.
 The code: this file (options, the driver, the report's header), and beside it
 gpu_suite_arch.py (architectures, parameter counts), gpu_suite_report.py
-(sections, rows, skips, the time budget, timing), gpu_suite_parts.py (arch,
-generate, clip, pairs; synthetic data) and gpu_suite_rl.py (rl, deepspeed).
+(sections, rows, skips, the time budget and --quick's plan, timing),
+gpu_suite_parts.py (arch, generate, clip, pairs; synthetic data) and
+gpu_suite_rl.py (rl, deepspeed).
 Each part is timed; a part or a row that cannot run is skipped with a
 one-line reason (no CUDA, a package missing, out of memory, the time budget).
-``--budget-minutes`` (default 40) is checked against each part's estimate
-before it starts. ``--tiny`` shrinks every architecture to a layer or two of
-width 32 and runs what it can on the CPU in about a minute (the tests run it
-so that the suite cannot rot).
+``--budget-minutes`` (default 40; 7.33 with --quick) is checked against each
+part's estimate before it starts, and against each expensive row's.
+
+Modes: the default runs every part at full size (~35 minutes on one H100).
+``--quick`` runs the same parts at full size with less work in each (one
+warm-up and one timed step per RL run, 2 stories in generate, 20 images in
+clip, 50 stories in pairs), the most important first (rl, generate, clip,
+pairs, then arch and deepspeed); its estimates, derived in
+gpu_suite_report.py from the first H100 run's figures, add up to <= 8
+minutes with the wheels' install. ``--tiny`` shrinks every architecture to a
+layer or two of width 32 and runs what it can on the CPU in well under a
+minute (the tests run it, at fp32, fp16 and bf16, so that the suite cannot
+rot). ``--precision`` (auto: fp16 on CUDA, fp32 on the CPU) is the dtype of
+the rewards' models, of generation, and of the RL policy and its rewards
+(auto leaves the policy in storyrl's own auto: bf16 on a GPU that has it);
+every row shows the dtype its model's weights really had. The rl part's
+noun phrases: spaCy's when spaCy is installed, else a regular expression
+(the report says which).
 
 A row's error other than a skip is written as a FAILED line and the part
 goes on with its other rows. The report is rewritten after every part.
@@ -43,8 +61,9 @@ a skip); 2 for bad options or a report that exists (``--overwrite``).
 
 Usage::
 
-    python benchmarks/gpu_suite.py [--out benchmarks/gpu_report.md] [--overwrite] [--tiny]
+    python benchmarks/gpu_suite.py [--out benchmarks/gpu_report.md] [--overwrite] [--tiny | --quick]
         [--parts arch,generate,clip,pairs,rl,deepspeed] [--budget-minutes 40] [--device auto|cpu|cuda]
+        [--precision auto|fp32|fp16|bf16] [--threads N]
 """
 
 from __future__ import annotations
