@@ -98,6 +98,31 @@ def test_resnet_and_timm_towers_take_their_stems_dtype(tmp_path_factory, images,
     _close(got_texts, want_texts, precision, f"{tower} text embeddings")
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_transformers_text_tower_is_cast_whole(tmp_path, monkeypatch, precision):
+    """open_clip's fp16/bf16 leaves a transformers text tower half cast
+    (fp32 embeddings into fp16 linear layers: "mat1 and mat2 must have the
+    same dtype"); storyrl casts that tower whole."""
+    import open_clip
+    import torch
+    from tiny_models import hf_text_tokenize, save_tiny_clip_hf_text
+
+    from storyrl.models.clip import ClipEmbedder, ClipSpec
+
+    name = save_tiny_clip_hf_text(tmp_path)
+    monkeypatch.setattr(open_clip, "get_tokenizer", lambda *a, **k: hf_text_tokenize(tmp_path))
+    texts = ["a dog ran to the park .", "the cat sat on a red mat ."]
+    want = ClipEmbedder(ClipSpec(name, None, "cpu", "fp32")).embed_texts(texts)
+    embedder = ClipEmbedder(ClipSpec(name, None, "cpu", precision))
+    dtype = getattr(torch, DTYPES[precision])
+    assert {p.dtype for p in embedder.model.text.parameters()} == {dtype}
+    _close(embedder.embed_texts(texts), want, precision, "transformers text tower")
+    # open_clip alone cannot run it: what the cast mends.
+    bare = open_clip.create_model(name, pretrained=None, precision=precision).eval()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        bare.encode_text(hf_text_tokenize(tmp_path)(texts))
+
+
 def test_a_tower_that_cannot_run_the_precision_is_refused_at_setup_in_one_line(tiny_clip, images, monkeypatch):
     """The old bug (pixels in fp32 against fp16 weights) reinstated: the
     load-time check refuses the precision, naming the option, before any

@@ -99,6 +99,47 @@ def save_tiny_clip_tower(directory: Path, tower: str, seed: int = 0) -> str:
     return f"local-dir:{directory}"
 
 
+def save_tiny_clip_hf_text(directory: Path, seed: int = 0) -> str:
+    """A tiny CLIP whose text tower is a transformers BERT (open_clip's
+    ``HFTextEncoder``, as ``hf-hub:`` models with an ``hf_model_name`` have):
+    the BERT (``bert_config``, vocabulary of ``TAPM_TEXTS``) and its
+    tokenizer in ``directory/bert``, the CLIP as a ``local-dir:`` model name.
+    open_clip's own tokenizer loader is not used for it (pass the BERT
+    tokenizer: :func:`hf_text_tokenize`)."""
+    _torchvision_fallback()
+    import torch
+    from open_clip.model import CustomTextCLIP
+    from transformers import BertModel
+
+    bert = directory / "bert"
+    cfg = {"embed_dim": 32, "vision_cfg": {**TINY_CLIP_CFG["vision_cfg"], "layers": 1},
+           "text_cfg": {"hf_model_name": str(bert), "hf_tokenizer_name": str(bert), "hf_proj_type": "linear",
+                        "hf_pooler_type": "cls_pooler", "context_length": 16}}
+    if not (directory / "open_clip_pytorch_model.bin").exists():
+        torch.manual_seed(seed)
+        tokenizer = bert_wordpiece_tokenizer(TAPM_TEXTS, bert)
+        BertModel(bert_config(len(tokenizer))).save_pretrained(bert)
+        tokenizer.save_pretrained(bert)
+        (directory / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
+        torch.save(CustomTextCLIP(**cfg).state_dict(), directory / "open_clip_pytorch_model.bin")
+    return f"local-dir:{directory}"
+
+
+def hf_text_tokenize(directory: Path, context_length: int = 16):
+    """``texts -> [n, context_length]`` token ids of the BERT saved by
+    :func:`save_tiny_clip_hf_text` in ``directory``, padded as open_clip's
+    HF tokenizer pads."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory / "bert")
+
+    def tokenize(texts):
+        return tokenizer(list(texts), padding="max_length", max_length=context_length, truncation=True,
+                         return_tensors="pt").input_ids
+
+    return tokenize
+
+
 def write_images(directory: Path, n: int = 3, size: tuple[int, int] = (48, 40)) -> list[Path]:
     """``n`` distinct small RGB images (colour gradients, ``size`` = width,
     height) as ``img0.png``, ``img1.png``, ... in ``directory``; the colours

@@ -81,7 +81,7 @@ class ClipEmbedder:
                 "Pretrained weights are downloaded to the open_clip/Hugging Face cache on first use; "
                 "offline, pass a local checkpoint file as pretrained."
             ) from exc
-        self.model = model.eval()
+        self.model = _cast_half_cast_towers(model, self.precision).eval()
         self.preprocess = preprocess
         self.tokenizer = open_clip.get_tokenizer(spec.model)
         self.dtype = image_input_dtype(model)
@@ -166,6 +166,23 @@ class ClipEmbedder:
             check_finite(feats, f"CLIP model {self.spec.model!r} (images)", self.precision)
             feats = torch.nn.functional.normalize(feats, dim=-1)
         return feats.cpu().numpy()
+
+
+def _cast_half_cast_towers(model, precision: str):
+    """``model`` with a Hugging Face text tower cast whole at fp16/bf16.
+    open_clip's fp16/bf16 casts conv/linear weights only, which a
+    transformers text tower (``hf-hub:`` models with an ``hf_model_name``
+    text config) cannot run: its embeddings and layer norms stay fp32 and
+    feed fp16 linear layers ("mat1 and mat2 must have the same dtype")."""
+    if precision not in ("fp16", "bf16"):
+        return model
+    import torch
+    from open_clip.hf_model import HFTextEncoder
+
+    text = getattr(model, "text", None)
+    if isinstance(text, HFTextEncoder):
+        text.to(torch.float16 if precision == "fp16" else torch.bfloat16)
+    return model
 
 
 def image_input_dtype(model):
