@@ -201,6 +201,24 @@ def test_fp16_overflow_is_refused_not_scored_nan(loud_vrank_dir):
         create_reward("vrank", model=loud_vrank_dir, device="cpu", precision="fp16").setup()
 
 
+def test_vrank_pairwise_calls_raise_a_model_failure_once(loud_vrank_dir, monkeypatch):
+    """compare and rank go around score(): the same RewardError, not NaN per pair."""
+    import storyrl.models.runtime as runtime
+
+    reward = create_reward("vrank", model=loud_vrank_dir, device="cpu", precision="bf16")
+    reward.setup()
+
+    def overflow(values, what, precision):
+        raise runtime.ModelFailure(f"{what} gave non-finite outputs at precision {precision}")
+
+    monkeypatch.setattr(runtime, "check_finite", overflow)  # as if this batch overflowed
+    with pytest.raises(RewardError, match="reward 'vrank': vrank model .* non-finite outputs at precision bf16"):
+        reward.compare([STORY], [OTHER])
+    with pytest.raises(RewardError, match="non-finite outputs"):
+        reward.rank([STORY, OTHER])
+    assert not reward.stats["reasons"]
+
+
 def test_bf16_on_a_cuda_card_without_bf16_is_refused(monkeypatch):
     import torch
 

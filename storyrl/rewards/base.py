@@ -176,6 +176,11 @@ class Reward(Configurable):
         for component in getattr(self, "component_rewards", {}).values():
             component.reset_failure_streak()
 
+    def _model_failed(self, exc: BaseException) -> RewardError:
+        """The RewardError for a :class:`ModelFailure` (non-finite model
+        outputs): raised once, since no story causes it."""
+        return RewardError(f"reward {self.name!r}: {one_line(exc)}")
+
     def _unscorable(self, reason: str, detail: str = "") -> float:
         """Record why a story gets NaN (counted in ``stats["reasons"]``, the
         first occurrences of each reason logged) and return NaN."""
@@ -261,7 +266,7 @@ class Reward(Configurable):
         try:
             scores[:] = self._score_batch(texts, **context)  # (a result of the wrong length raises here)
         except ModelFailure as exc:  # the model's failure, not a story's: once, not NaN per story
-            raise RewardError(f"reward {self.name!r}: {one_line(exc)}") from exc
+            raise self._model_failed(exc) from exc
         except Exception:
             return self._score_one_by_one(texts, index, context)
         self._ok += len(texts)
@@ -277,7 +282,7 @@ class Reward(Configurable):
                 self._ok += 1
                 self._errors_in_a_row = 0
             except ModelFailure as exc:
-                raise RewardError(f"reward {self.name!r}: {one_line(exc)}") from exc
+                raise self._model_failed(exc) from exc
             except Exception as exc:
                 self._unscorable(type(exc).__name__, f"story {index[k]}: {exc}")
                 errors.append(exc)

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
+from storyrl.models.runtime import ModelFailure
 from storyrl.rewards.base import ModelConfig, Reward, as_list, clean_text
 
 
@@ -146,7 +147,11 @@ class Vrank(Reward):
                 self._unscorable("pair story missing or empty", f"pair {i}")
         if keep:
             self._setup()
-            out[keep] = self._preferences([clean_text(first[i]) for i in keep], [clean_text(second[i]) for i in keep])
+            try:
+                out[keep] = self._preferences([clean_text(first[i]) for i in keep],
+                                              [clean_text(second[i]) for i in keep])
+            except ModelFailure as exc:
+                raise self._model_failed(exc) from exc
         return out
 
     def _score_batch(self, stories: list[str], reference: Sequence[Any] | None = None, **_: Any) -> np.ndarray:
@@ -184,7 +189,10 @@ class Vrank(Reward):
         self._setup()
         texts = {i: clean_text(stories[i]) for i in valid}
         pairs = [(i, j) for i in valid for j in valid if i != j]
-        gaps = self.predicted_gaps([texts[i] for i, _ in pairs], [texts[j] for _, j in pairs])
+        try:
+            gaps = self.predicted_gaps([texts[i] for i, _ in pairs], [texts[j] for _, j in pairs])
+        except ModelFailure as exc:
+            raise self._model_failed(exc) from exc
         prefer = {pair: -gap for pair, gap in zip(pairs, gaps)}  # positive = i better than j
         for i in valid:
             out[i] = float(np.mean([(prefer[(i, j)] - prefer[(j, i)]) / 2.0 for j in valid if j != i]))
