@@ -10,7 +10,7 @@ update must change the trainable weights. GRPO/RLOO: a step at each
 precision trains (finite loss, adapters moved), and the fixed batch's
 per-token log-probabilities under the trainer's own autocast match fp32.
 
-Tolerances (absolute, on log-probabilities of a 64-word vocabulary, values
+Tolerances (absolute, on log-probabilities over a 37-token vocabulary, values
 of order 1 and losses): fp16 keeps 11 significant bits, bf16 8, so bf16
 gets 6x fp16's bound; measured (tiny LLaMA, 8 new tokens): log-probs
 2.1e-4 fp16 / 1.4e-3 bf16, values 1.9e-3 / 1.1e-2, value loss 1.9e-4 /
@@ -258,3 +258,53 @@ def test_trl_step_at_each_precision_trains_and_matches_fp32(trl_assets, tmp_path
     assert losses and all(math.isfinite(v) for v in losses)
     moved = [n for n in seen["before"] if not torch.equal(seen["before"][n], seen["after"][n])]
     assert moved and all(("lora_" in n) == lora or not lora for n in moved)
+
+
+# -- PPO with a vision-language policy -------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weights,lora", [("bf16", False), ("fp16", True)])
+def test_ppo_vlm_at_each_precision_matches_fp32(tmp_path, weights, lora):
+    """LLaVA-NeXT: pixel values go in the policy's dtype (the rollout casts
+    them); log-probs, values and losses as the text policy's."""
+    import dataclasses
+
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from storyrl.training.rl.ppo import PPOTrainer
+    from test_ppo import vlm_dataset
+
+    directory = tiny_models.save_tiny_vlm(tmp_path / "llava_next", "llava_next", CORPUS)
+    images = tiny_models.write_images(tmp_path / "img", n=3)
+    processor = AutoProcessor.from_pretrained(directory)
+    processor.chat_template = tiny_models.LLAVA_CHAT_TEMPLATE
+
+    def trainer_at(dtype, out, peft):
+        model = AutoModelForImageTextToText.from_pretrained(directory, dtype=DTYPES[dtype])
+        args = ppo_args(tmp_path / out, num_mini_batches=1, gradient_accumulation_steps=1, num_ppo_epochs=1,
+                        max_steps=1, response_length=6, whiten_advantages=False)
+        return PPOTrainer(model, constant, args, vlm_dataset(images), processing_class=processor,
+                          peft_config=lora_config() if peft else None)
+
+    reference = trainer_at("fp32", "fp32", False)
+    torch.manual_seed(0)
+    reference.model.eval()
+    with torch.no_grad():
+        rollout = reference.adapter.rollout(reference.policy, reference._rows(0))
+    head = snapshot(reference.accelerator.unwrap_model(reference.model).value_head)
+    expected = _first_update(reference, rollout, head)
+    trainer = trainer_at(weights, weights, lora)
+    # as this trainer's own rollout would have them: pixel values in its dtype
+    multimodal = {k: v.to(DTYPES[weights]) if v.is_floating_point() else v
+                  for k, v in rollout.extra["multimodal"].items()}
+    rollout = dataclasses.replace(rollout, extra={**rollout.extra, "multimodal": multimodal})
+    got = _first_update(trainer, rollout, head)
+    tol, mask = TOLERANCE[weights], rollout.response_mask()
+    for name, mine, theirs in zip(("logprobs", "ref_logprobs", "values"), got[:3], expected[:3]):
+        diff = ((mine - theirs).abs() * mask).max().item()
+        assert diff <= tol, f"{name}: max |diff| {diff:.4g} > {tol}"
+    assert abs(got[3] - expected[3]) <= tol and abs(got[4] - expected[4]) <= tol
+    moved = [n for n in got[6] if not torch.equal(got[6][n], got[7][n])]
+    assert any("value_head" in n for n in moved) and any(("lora_B" in n) if lora else ("language_model" in n)
+                                                          for n in moved)
