@@ -289,7 +289,8 @@ def part_clip(ctx: Context, section: Section) -> None:
                 n_images = sequences * 5
                 regions = n_images * (reward.grid ** 2 + 1) if reward_name == "groovist" else n_images
                 same = np.allclose(cold, warm, atol=1e-5, equal_nan=True)
-                rows.append({"reward": reward_name, "CLIP": name + (" (tiny)" if ctx.tiny else ""), "precision": precision,
+                rows.append({"reward": reward_name, "CLIP": name + (" (tiny)" if ctx.tiny else ""),
+                             "precision": precision,
                              "weights": weights,
                              "stories": len(stories), "images": n_images, "crops encoded": regions,
                              "images/s (first visit)": n_images / cold_s,

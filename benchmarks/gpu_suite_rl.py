@@ -266,8 +266,9 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
                            *rl_step.PREPS, "we it was day then . [INST] [/INST]"])
     prompt = rl_step._prompt_text(rl_step.IMAGES_PER_SEQUENCE)
     section.note(f"noun phrases (the dhm reward's GROOViST): {getattr(args, 'noun_phrases', 'regex')} ({np_why})")
-    section.note(f"precision: {ctx.precision if ctx.precision != 'auto' else 'storyrl auto'} for the policy, "
-                 f"{ctx.precision if ctx.precision != 'auto' else 'the rewards own auto'} for the dhm reward's models")
+    explicit = ctx.precision != "auto"
+    section.note(f"precision: {ctx.precision if explicit else 'storyrl auto'} for the policy, "
+                 f"{ctx.precision if explicit else 'their own auto'} for the dhm reward's models")
     section.note(f"data and reward models (the dhm reward's tiny CLIP and ALBERT of rl_step.py) built in "
                  f"{time.perf_counter() - t0:.1f} s; "
                  f"{'the LLaMA policy: rl_step.py tiny one, fitted to write sentences; ' if ctx.tiny else ''}"
@@ -370,12 +371,12 @@ def launch_rl_steps(tmp: Path, launch_options: list[str], steps: int = 3, timeou
 def part_deepspeed(ctx: Context, section: Section) -> None:
     need("deepspeed", "pip install deepspeed")
     ctx.need_cuda("DeepSpeed ZeRO-2")
-    ctx.budget.check(180, "deepspeed")
+    ctx.check("deepspeed", 180, 1, "deepspeed")
     zero2 = REPO / "configs" / "accelerate" / "deepspeed_zero2.yaml"
     try:
         status, tail, seconds, logged = launch_rl_steps(
             ctx.root / "deepspeed", ["--config_file", str(zero2), "--num_processes", "1"],
-            timeout=max(60, ctx.budget.left()))
+            timeout=max(ctx.budget.left(), 1))  # the budget's end, not past it
     except subprocess.TimeoutExpired:
         raise Skip("time budget: storyrl launch did not finish in the time left") from None
     if status != 0:

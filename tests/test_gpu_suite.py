@@ -590,7 +590,8 @@ def test_vocabularies_reach_the_real_sizes(tmp_path):
     llava = gen._tokenizer(texts, gen.SHAPES["7b"]["vocab"])
     assert len(llava) == gen.SHAPES["7b"]["vocab"] == 32064
     assert llava.convert_tokens_to_ids("<image>") != llava.unk_token_id and llava.image_token == "<image>"
-    assert llava.decode(llava("[INST] <image>\nthe dog w31000 [/INST]").input_ids) == "[INST] <image> the dog w31000 [/INST]"
+    ids = llava("[INST] <image>\nthe dog w31000 [/INST]").input_ids
+    assert llava.decode(ids) == "[INST] <image> the dog w31000 [/INST]"
     llama = gpu_suite_rl.llama_tokenizer(texts)
     assert len(llama) == 32000 and llama.chat_template and llama.eos_token == "[EOS]"
     stories = gpu_suite_parts.synthetic_stories(8)
