@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Decoding", "TransformersEngine", "VllmEngine", "create_engine", "image_token_id"]
+__all__ = ["Decoding", "TransformersEngine", "VllmEngine", "create_engine", "image_token_id", "pixel_dtype"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,24 @@ def image_token_id(config) -> int | None:
     return None
 
 
+#: Module names of vision encoders in transformers VLMs (LLaVA*, BLIP-2, Qwen2-VL, ...).
+VISION_MODULES = ("vision_tower", "vision_model", "visual", "vision_encoder")
+
+
+def pixel_dtype(model) -> Any:
+    """The dtype the model's vision encoder computes in (its first floating
+    weight's), which the pixels must have. Not ``model.dtype``: that is the
+    first weight of the whole model, which may belong to a module
+    transformers keeps in fp32 (BLIP-2's query tokens) while the vision
+    encoder runs in fp16."""
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in VISION_MODULES:
+            for param in module.parameters():
+                if param.is_floating_point():
+                    return param.dtype
+    return model.dtype
+
+
 class TransformersEngine:
     def __init__(self, model: str, revision: str | None, device: str | None, precision: str, load_in_4bit: bool,
                  decoding: Decoding) -> None:
@@ -74,7 +92,7 @@ class TransformersEngine:
         inputs = vlm.processor(images=list(images), text=list(prompts), return_tensors="pt", padding=True)
         inputs = inputs.to(vlm.device)
         if "pixel_values" in inputs and inputs["pixel_values"].is_floating_point():
-            inputs["pixel_values"] = inputs["pixel_values"].to(vlm.model.dtype)
+            inputs["pixel_values"] = inputs["pixel_values"].to(pixel_dtype(vlm.model))
         tokenizer = vlm.tokenizer
         with torch.inference_mode():
             out = vlm.model.generate(**inputs, pad_token_id=tokenizer.pad_token_id, **self.decoding.generate_kwargs())
