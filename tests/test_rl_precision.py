@@ -308,3 +308,22 @@ def test_ppo_vlm_at_each_precision_matches_fp32(tmp_path, weights, lora):
     moved = [n for n in got[6] if not torch.equal(got[6][n], got[7][n])]
     assert any("value_head" in n for n in moved) and any(("lora_B" in n) if lora else ("language_model" in n)
                                                           for n in moved)
+
+
+def test_ppo_stops_at_non_finite_log_probabilities(tmp_path, base):
+    """What an fp16 overflow looks like to PPO: NaN logits in the forward.
+    (On CUDA, sampling from them picks token 0 instead of raising.)"""
+    from storyrl.training.runs import RunFailedError
+
+    trainer = _ppo(tmp_path, base, "bf16")
+    forward = trainer.adapter.forward
+
+    def overflowing(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits[..., 0] = float("inf")
+        return out
+
+    trainer.adapter.forward = overflowing
+    with pytest.raises(RunFailedError, match=r"^step 1: the policy log-probabilities, reference log-probabilities "
+                                             r"are NaN/inf \(weights bfloat16, mixed_precision no; an fp16 overflow"):
+        trainer.train(progress=False)

@@ -353,6 +353,23 @@ class PPOTrainer:
         mask = rollout.response_mask()
         return logprobs * mask, ref_logprobs * mask, values * mask
 
+    def _check_finite(self, step: int, rollout: Rollout, *tensors: torch.Tensor) -> None:
+        """Stop at NaN/inf log-probabilities or values (an fp16 overflow, a
+        broken checkpoint): every loss would be NaN, and on CUDA sampling from
+        NaN probabilities does not raise as on the CPU but yields token 0 (a
+        story of padding). Agreed across processes, so that all stop."""
+        mask = rollout.response_mask()
+        bad = torch.tensor([float(not torch.isfinite(t[mask]).all()) for t in tensors], device=mask.device)
+        if self.accelerator.num_processes > 1:
+            bad = self.accelerator.reduce(bad.to(self.accelerator.device), reduction="sum")
+        names = [n for n, b in zip(("policy log-probabilities", "reference log-probabilities", "values"),
+                                   bad.tolist()) if b]
+        if names:
+            dtype = getattr(self.policy, "dtype", None)
+            raise RunFailedError(f"step {step + 1}: the {', '.join(names)} are NaN/inf (weights "
+                                 f"{str(dtype).replace('torch.', '')}, mixed_precision {self.args.mixed_precision}; "
+                                 "an fp16 overflow? try bf16 or fp32)")
+
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.gather(tensor) if self.accelerator.num_processes > 1 else tensor
 
@@ -478,6 +495,7 @@ class PPOTrainer:
             rollout = self.adapter.rollout(unwrapped.policy, rows)
         lap("time/generation")
         old_logprobs, ref_logprobs, values = self._evaluate(rollout)
+        self._check_finite(step, rollout, old_logprobs, ref_logprobs, values)
         lap("time/forward")
         rewards = call_rewards(self.reward_funcs, self.reward_names, rows, rollout.prompts, rollout.completions,
                                rollout.completion_ids)
