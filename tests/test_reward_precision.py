@@ -72,6 +72,27 @@ def test_clipscore_runs_at_reduced_precision_with_the_image_towers_dtype(tiny_cl
     assert model.visual.conv1.weight.dtype == dtype == reward.embedder.dtype
 
 
+def test_the_disk_cache_keeps_each_precisions_region_vectors_apart(tiny_clip, images, tmp_path):
+    from storyrl.models import release_models
+
+    def run(precision):
+        release_models()  # a fresh process's view: only the disk cache is shared
+        reward = create_reward("clipscore", clip_model=tiny_clip, clip_pretrained=None, precision=precision,
+                               device="cpu", cache_dir=str(tmp_path))
+        scores = reward.score([STORY], images=[images])
+        return scores, reward.embedder.stats
+
+    fp32, stats = run("fp32")
+    assert stats["regions_from_disk"] == 0
+    fp16, stats = run("fp16")
+    assert stats["regions_from_disk"] == 0 and stats["regions_embedded"] == len(images)  # not fp32's vectors
+    again, stats = run("fp16")
+    assert stats["regions_from_disk"] == len(images) and stats["regions_embedded"] == 0
+    np.testing.assert_array_equal(again, fp16)
+    _, stats = run("fp32")
+    assert stats["regions_from_disk"] == len(images)  # the fp32 key is the one it always was
+
+
 @pytest.mark.parametrize("tower", ["resnet", "timm"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_resnet_and_timm_towers_take_their_stems_dtype(tmp_path_factory, images, tower, precision):

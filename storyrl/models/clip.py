@@ -121,7 +121,14 @@ class ClipEmbedder:
     # -- regions ------------------------------------------------------------
     def use_disk_cache(self, directory: str | os.PathLike | None) -> None:
         if directory is not None and (self.disk is None or self.disk.path.parent != Path(directory)):
-            self.disk = DiskEmbeddingCache(directory, self.spec.key)
+            self.disk = DiskEmbeddingCache(directory, self.cache_key)
+
+    @property
+    def cache_key(self) -> str:
+        """The on-disk cache's model key: the precision is part of it (fp16
+        vectors must not stand in for fp32 ones, nor the reverse); fp32 keeps
+        the key it always had, so existing caches stay valid."""
+        return self.spec.key if self.precision == "fp32" else f"{self.spec.key}:{self.precision}"
 
     def embed_regions(self, regions: Sequence[Any], load: Callable[[Sequence[Any]], list]) -> np.ndarray:
         """Embeddings of ``regions`` (objects with a hashable ``key``);
