@@ -525,3 +525,41 @@ def test_fp16_full_weights_are_refused_when_the_config_is_read(story_assets, tmp
         assert "\n" not in message and "precision: fp16 weights have no fp32 master copy" in message, message
         assert "lora.enabled: true" in message
         cls.from_mapping({**common, **extra, "lora": LORA})  # with adapters it is a config
+
+
+@pytest.mark.slow
+def test_cosmic_encoder_precision_changes_the_embeddings_within_eps(tmp_path, monkeypatch, raccoon_dir, tiny_bert):
+    """COSMiC's ``precision`` is the frozen encoders' dtype: at fp16/bf16 the
+    embeddings the head trains on are those of fp32 encoders within the
+    dtype's rounding (so is the first loss), and really rounded (not fp32)."""
+    from test_cosmic import _train_config
+
+    from storyrl.models.runtime import release_models
+    from storyrl.training import cosmic
+
+    runs, tables = {}, {}
+    real_collate = cosmic._Collate
+    for precision in ("fp32", "fp16", "bf16"):
+        release_models()
+        rec = Recorder(monkeypatch, cosmic)
+        class Collate(real_collate):  # the embedding tables train_cosmic made, kept
+            def __init__(self, image_emb, text_emb):
+                super().__init__(image_emb, text_emb)
+                tables[precision] = (torch.as_tensor(image_emb), torch.as_tensor(text_emb))
+
+        monkeypatch.setattr(cosmic, "_Collate", Collate)
+        config = _train_config(raccoon_dir, tiny_bert, tmp_path / precision, epochs=1, batch_size=4,
+                               precision=precision)
+        cosmic.train_cosmic(config, progress=False)
+        runs[precision] = rec.losses
+        monkeypatch.undo()
+    for precision in DTYPES:
+        for k, name in enumerate(("image", "text")):
+            got, ref = tables[precision][k].float(), tables["fp32"][k].float()
+            diff = (got - ref).abs().max().item() / (eps(precision) * max(1.0, ref.abs().max().item()))
+            print(f"cosmic encoders {precision}: {name} embeddings {diff:.2f} eps")
+            assert not torch.equal(got, ref)  # the encoders really ran in the dtype
+            assert diff <= LOSS_EPS_FACTOR, (precision, name, diff)
+        diff = abs(runs[precision][0] - runs["fp32"][0]) / (eps(precision) * max(1.0, abs(runs["fp32"][0])))
+        print(f"cosmic encoders {precision}: first loss {diff:.2f} eps")
+        assert diff <= LOSS_EPS_FACTOR
