@@ -103,7 +103,9 @@ class ModelConfig(RewardConfig):
     """Options of the rewards that run a model."""
 
     device: str | None = option(None, "cuda, cpu, ... (default: CUDA when available).")
-    precision: str = option("auto", "auto (fp16 on CUDA, fp32 on CPU), fp32, fp16 or bf16.", choices=PRECISIONS)
+    precision: str = option("auto", "The dtype the model's weights are held and run in: auto (fp16 on CUDA, fp32 on "
+                            "CPU), fp32, fp16 or bf16; one the model cannot run in is refused when it loads.",
+                            choices=PRECISIONS)
     batch_size: int = option(64, "Inputs per forward pass.", min=1)
 
 
