@@ -349,3 +349,32 @@ def test_weighted_with_clipscore_scores_as_fp32_within_rounding(tiny_clip, image
     want = score("fp32")
     assert np.isfinite(want).all()
     _close(score(precision), want, precision, "weighted")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_cosmic_open_clip_image_tower_embeds_as_fp32_within_rounding(tiny_clip, images, tmp_path, precision):
+    """COSMiC's other image library (the contract's case uses timm): the
+    tower is cast whole and its pixels with it; vectors compared after L2
+    normalisation (scale 1), as the head's input they are unnormalised."""
+    import torch
+    from tiny_models import albert_tokenizer
+    from transformers import BertConfig, BertModel
+
+    from storyrl.models.cosmic import EncoderSpec, cosmic_encoders
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=64)).save_pretrained(tmp_path / "bert")
+    albert_tokenizer([STORY, OTHER]).save_pretrained(tmp_path / "bert")
+    spec = EncoderSpec(image_library="open_clip", image_model=tiny_clip, image_pretrained=None,
+                       text_model=str(tmp_path / "bert"), max_length=32)
+
+    def embed(p):
+        encoders = cosmic_encoders(spec, "cpu", p)
+        vecs = torch.nn.functional.normalize(torch.from_numpy(encoders.embed_images(images)), dim=-1)
+        return encoders, vecs.numpy()
+
+    _, want = embed("fp32")
+    encoders, got = embed(precision)
+    assert {p.dtype for p in encoders.image_model.parameters()} == {getattr(torch, DTYPES[precision])}
+    _close(got, want, precision, "COSMiC open_clip image tower")
