@@ -494,7 +494,7 @@ def test_reward_model_trains_at_each_precision(story_assets, tmp_path, monkeypat
     def config(out, precision, lora):
         return reward_model.RewardModelRunConfig.from_mapping(
             {"model": story_assets["plain"], "pairs": story_assets["pairs"], "output_dir": str(out), "max_steps": 2,
-             "batch_size": 2, "learning_rate": 5e-3, "logging_steps": 1, "seed": 0, "eval_fraction": 0.0,
+             "batch_size": 2, "learning_rate": 5e-3, "logging_steps": 1, "seed": 0, "eval_fraction": 0.5,
              "max_length": 64, "precision": precision, **({"lora": LORA} if lora else {})})
 
     reference = {lora: reward_model.train(config(tmp_path / f"fp32{lora}", "fp32", lora), progress=False)
@@ -503,6 +503,7 @@ def test_reward_model_trains_at_each_precision(story_assets, tmp_path, monkeypat
         rec = TrlRecorder(monkeypatch, reward_model)
         result = reward_model.train(config(tmp_path / f"{precision}{lora}", precision, lora), progress=False)
         check_trl_run("reward_model", precision, lora, rec, result, reference[lora].history)
+        assert result.heldout_pairs == 1 and result.heldout_accuracy in (0.0, 1.0)  # scored at the precision
         # final/ is the reward_model reward's model
         reward = create_reward("reward_model", model=result.final_dir, device="cpu", precision="fp32")
         assert all(math.isfinite(s) for s in reward.score(["the dog was good and happy ."]))
