@@ -245,6 +245,8 @@ def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mi
 
 
 def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
+    if not ctx.tiny:
+        ctx.need_cuda("the 7B policies")  # before building anything
     steps, warmup = ctx.pick((1, 0), (QUICK_RL_STEPS - 1, 1), (2, 1))
     batch, generations = (4, 2) if ctx.tiny else (8, 4)
     noun_phrases, np_why = noun_phrase_extractor(rl_step, ctx.tiny)
