@@ -564,3 +564,43 @@ def test_cosmic_encoder_precision_changes_the_embeddings_within_eps(tmp_path, mo
         diff = abs(runs[precision][0] - runs["fp32"][0]) / (eps(precision) * max(1.0, abs(runs["fp32"][0])))
         print(f"cosmic encoders {precision}: first loss {diff:.2f} eps")
         assert diff <= LOSS_EPS_FACTOR
+
+
+VLM_TEMPLATE = (  # LLaVA 1.5's, with an assistant turn (as test_sft.py)
+    "{% for m in messages %}{% if m['role'] == 'user' %}USER: {% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "{% else %} ASSISTANT: {% for c in m['content'] %}{{ c['text'] }}{% endfor %}[EOS]{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} ASSISTANT:{% endif %}"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_vlm_policy_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_offline, trainer):
+    """A LLaVA policy (its images through the vision tower) at bf16 and fp16 +
+    LoRA against fp32: the TRL collator's fp32 pixels run in the dtype."""
+    from transformers import AutoProcessor
+
+    from storyrl.training import dpo, sft
+
+    texts = [*tiny_models.TAPM_TEXTS, P1.format(n="three"), P1.format(n="four"), "USER: ASSISTANT:"]
+    vlm = tiny_models.save_tiny_vlm(tmp_path / "llava", "llava", texts)
+    processor = AutoProcessor.from_pretrained(vlm)
+    processor.chat_template = VLM_TEMPLATE
+    processor.save_pretrained(vlm)
+    module = sft if trainer == "sft" else dpo
+
+    def run(out, precision, lora):
+        options = {"model": vlm, "data": story_assets["data"], "output_dir": str(out), "prompt": "P1",
+                   "max_steps": 1, "batch_size": 2, "learning_rate": 1e-3, "logging_steps": 1, "seed": 0,
+                   "precision": precision, "max_length": 256, **({"lora": LORA} if lora else {})}
+        if trainer == "sft":
+            return sft.train(sft.SFTRunConfig.from_mapping(options), progress=False)
+        return dpo.train(dpo.DPORunConfig.from_mapping({**options, "pairs": story_assets["pairs"]}), progress=False)
+
+    reference = {lora: run(tmp_path / f"fp32{lora}", "fp32", lora) for lora in (False, True)}
+    keys = ("loss",) if trainer == "sft" else ("logps/chosen", "logps/rejected")
+    for precision, lora in TRL_RUNS:
+        rec = TrlRecorder(monkeypatch, module)
+        result = run(tmp_path / f"{precision}{lora}", precision, lora)
+        check_trl_run(f"{trainer} vlm", precision, lora, rec, result, reference[lora].history, keys=keys)
