@@ -750,3 +750,68 @@ def test_weights_dtype_reads_the_matmul_layers():
     assert gpu_suite_report.weights_dtype(SimpleNamespace(net=model.to(torch.bfloat16))) == "bf16"
     assert gpu_suite_report.weights_dtype((None, model)) == "bf16"
     assert gpu_suite_report.weights_dtype(None, "text") is None
+
+
+def test_quick_generate_runs_less_work_at_full_size(tmp_path, monkeypatch):
+    """--quick's generate part: the 7B shape (built once, shared), 2 stories,
+    16 new tokens, one warm-up per model instead of one per setting; the
+    model and the GPU are stood in for (the work asked of them is checked)."""
+    import generate as gen
+
+    import storyrl.models.vlm
+
+    built, warmups, asked = [], [], []
+
+    def write_data(directory, n, size):
+        asked.append(("images", size))
+        records = directory / "data.jsonl"
+        records.write_text("".join(json.dumps({"story_id": f"s{k}", "images": [f"{k}_{i}.png" for i in range(5)]})
+                                   + "\n" for k in range(n)))
+        return records
+
+    class Authors:
+        def __init__(self, model_dir, model, device, dtype, max_new, prompt, size):
+            asked.append(("authors", max_new, dtype))
+
+        def story(self, setting, images):
+            return f"{setting} {images[0]}"
+
+    def storyrl_way(ctx, model_dir, setting, records, out, **options):
+        lines = [json.loads(x) for x in Path(records).read_text().splitlines()]
+        if Path(out).name == "warm.json":
+            warmups.append(setting)
+        asked.append(("storyrl", options["max_new_tokens"], options["batch_size"], options["precision"]))
+        return 1.0, {r["story_id"]: f"{setting} {r['images'][0]}" for r in lines}
+
+    monkeypatch.setattr(gen, "build_model", lambda shape, directory, device: built.append(shape) or str(directory))
+    monkeypatch.setattr(gen, "write_data", write_data)
+    monkeypatch.setattr(gen, "Authors", Authors)
+    monkeypatch.setattr(storyrl.models.vlm, "load_vlm", lambda *args: SimpleNamespace(model=None, device="cuda"))
+    monkeypatch.setattr(gpu_suite_parts, "_generate_storyrl", storyrl_way)
+    monkeypatch.setattr(gpu_suite_report, "_sync", lambda device: None)  # no CUDA here
+    monkeypatch.setattr(gpu_suite_parts, "_reset_peak", lambda device: None)
+    monkeypatch.setattr(gpu_suite_parts, "_peak_gib", lambda device: 1.0)
+    ctx = gpu_suite_report.Context(False, "cuda", gpu_suite_report.Budget(5), tmp_path, quick=True)
+    section = gpu_suite_report.Section("generate", "1.")
+    gpu_suite_parts.part_generate(ctx, section)
+    rows = tables("\n".join(section.lines))[0]
+    assert [(r["precision"], r["setting"], r["stories"]) for r in rows] == [("fp16", "visual", "2"),
+                                                                            ("fp16", "prev_sentence", "2")]
+    assert built == ["7b"] and ctx.shared["llava_7b"]  # shared with the rl part
+    assert warmups == ["visual"]  # one warm-up for the model, not one per setting
+    assert {a for a in asked if a[0] == "storyrl"} == {("storyrl", 16, 2, "fp16")}
+    assert ("images", gen.SHAPES["7b"]["images"]) in asked
+    assert "2 stories x 5 images, batch 2, 16 new tokens per call" in "\n".join(section.lines)
+    # the 4-bit row: bitsandbytes is not installed here, its skip says so (or it ran where it is)
+    assert re.search(r"- skipped: 4-bit NF4: bitsandbytes is not installed", "\n".join(section.lines)) \
+        or any(r["precision"] == "4-bit NF4" for r in rows)
+    # the default (not --quick): 8 stories, 32 tokens, a warm-up per setting; the shared build is reused
+    warmups.clear()
+    asked.clear()
+    ctx = gpu_suite_report.Context(False, "cuda", gpu_suite_report.Budget(5), tmp_path / "full", shared=ctx.shared)
+    section = gpu_suite_report.Section("generate", "1.")
+    (tmp_path / "full").mkdir()
+    gpu_suite_parts.part_generate(ctx, section)
+    assert built == ["7b"] and warmups == ["visual", "prev_sentence"]
+    assert {a for a in asked if a[0] == "storyrl"} == {("storyrl", 32, 8, "fp16")}
+    assert "(by the rl part; reused here)" in "\n".join(section.lines)
