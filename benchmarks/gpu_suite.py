@@ -206,6 +206,10 @@ def main(argv=None) -> int:
         print("--device cuda: no CUDA device here; use --device auto or cpu", file=sys.stderr)
         return 2
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        print(f"--precision bf16: {torch.cuda.get_device_name(0)} does not support bfloat16; use fp16 or fp32",
+              file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = Budget(args.budget_minutes)

@@ -815,3 +815,15 @@ def test_quick_generate_runs_less_work_at_full_size(tmp_path, monkeypatch):
     assert built == ["7b"] and warmups == ["visual", "prev_sentence"]
     assert {a for a in asked if a[0] == "storyrl"} == {("storyrl", 32, 8, "fp16")}
     assert "(by the rl part; reused here)" in "\n".join(section.lines)
+
+
+def test_bf16_refused_on_a_card_without_it(tmp_path, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **kw: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla V100")
+    out = tmp_path / "r.md"
+    assert gpu_suite.main(["--precision", "bf16", "--parts", "arch", "--out", str(out)]) == 2
+    assert "--precision bf16: Tesla V100 does not support bfloat16" in capsys.readouterr().err
+    assert not out.exists()
