@@ -19,6 +19,11 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   ``rewards/<name>/mean`` with the story statistics of
   :func:`storyrl.training.rl.monitor.story_stats` go into the step's log
   (``history.jsonl``) and sample stories into ``samples.jsonl``.
+* ``precision`` is the weights' dtype and sets TRL's autocast
+  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
+  adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
+  without LoRA is refused when the config is read (no fp32 master copy).
 * Checkpoints, ``--resume``, overwrite and the lock as ``storyrl train sft``;
   ``OUTPUT_DIR/final`` (full weights, merged weights with ``lora.merge``, or
   adapters, with the tokenizer and dpo_config.yaml) is a ``storyrl train rl

@@ -18,6 +18,12 @@ configs/training/reward_model.yaml``).
   pairs --pairs`` file) and the trained model's pair accuracy on them
   (chosen scored strictly above rejected) is in the summary and the last
   line of ``history.jsonl``.
+* ``precision`` is the weights' dtype and sets TRL's autocast
+  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
+  adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
+  without LoRA is refused when the config is read (no fp32 master copy).
+  With LoRA the new score head trains in fp32 beside the adapters.
 * ``OUTPUT_DIR/final``: the model (merged weights, or LoRA adapters when
   ``lora.merge`` is false), its tokenizer, ``storyrl_reward_model.json`` (how to
   score) and ``reward_model_config.yaml``: a ``reward_model --model``.
@@ -52,8 +58,8 @@ class RewardModelRunConfig(TrlRunOptions):
     model: str = option(help="Backbone: hub name or local directory of a text model (a causal LM or an encoder); "
                         "it gets a one-output sequence-classification head.")
     revision: str | None = option(None, "Hub revision of the model (branch, tag or commit).")
-    precision: str = option("auto", "Weights dtype: auto = bf16 on a CUDA GPU that supports it, else fp32.",
-                            choices=PRECISIONS)
+    precision: str = option("auto", "Weights dtype: auto = bf16 on a CUDA GPU that supports it, else fp32; fp16 "
+                            "needs LoRA (fp32 adapters and score head).", choices=PRECISIONS)
     pairs: str = option(help="Preference pairs JSONL (storyrl pairs): prompt, chosen, rejected, story_id, ...",
                         path="file")
     include_prompt: bool = option(True, "Score the pairs' prompt, a space and the story (TRL's prompt + completion); "

@@ -19,6 +19,11 @@
   keeps adapters off it) as in RL. ``max_length`` cuts the end of prompt +
   story, so it must leave room for the prompt's image tokens. TAPM is
   refused (``storyrl train tapm`` trains it).
+* ``precision`` is the weights' dtype and sets TRL's autocast
+  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
+  adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
+  without LoRA is refused when the config is read (no fp32 master copy).
 * ``--resume`` continues from the latest complete ``checkpoint-<step>/``
   (weights, optimizer, scheduler, RNG states and data order); the result
   equals an uninterrupted run's.
