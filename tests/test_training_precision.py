@@ -604,3 +604,42 @@ def test_vlm_policy_trains_at_each_precision(story_assets, tmp_path, monkeypatch
         rec = TrlRecorder(monkeypatch, module)
         result = run(tmp_path / f"{precision}{lora}", precision, lora)
         check_trl_run(f"{trainer} vlm", precision, lora, rec, result, reference[lora].history, keys=keys)
+
+
+@pytest.mark.slow
+def test_sft_fp16_lora_resume_restores_the_grad_scaler(story_assets, tmp_path, monkeypatch, trl_offline):
+    """An fp16 + LoRA SFT run killed after checkpoint-2 and resumed equals the
+    uninterrupted run: the CPU GradScaler's scale is saved with the
+    checkpoint and restored (a fresh scale would skip or rescale steps)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    from storyrl.training import sft
+
+    def config(out):
+        return sft.SFTRunConfig.from_mapping(
+            {"model": story_assets["model"], "data": story_assets["data"], "output_dir": str(out), "prompt": "P1",
+             "max_steps": 4, "save_steps": 1, "batch_size": 1, "learning_rate": 1e-3, "logging_steps": 1, "seed": 0,
+             "precision": "fp16", "lora": LORA})
+
+    whole = sft.train(config(tmp_path / "whole"), progress=False)
+
+    class Kill(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise KeyboardInterrupt("killed after checkpoint-2")
+
+    build = sft.build_trainer
+    monkeypatch.setattr(sft, "build_trainer", lambda c, p=True, callbacks=None: build(c, p, [Kill()]))
+    with pytest.raises(KeyboardInterrupt):
+        sft.train(config(tmp_path / "cut"), progress=False)
+    assert (tmp_path / "cut" / "checkpoint-2" / "scaler.pt").is_file()
+    monkeypatch.setattr(sft, "build_trainer", build)
+    resumed = sft.train(config(tmp_path / "cut"), resume=True, progress=False)
+    losses = [[(e["step"], e["loss"]) for e in r.history if "loss" in e] for r in (whole, resumed)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    a = load_file(Path(whole.final_dir) / "adapter_model.safetensors")
+    b = load_file(Path(resumed.final_dir) / "adapter_model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
