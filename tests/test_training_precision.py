@@ -44,6 +44,12 @@ def eps(precision: str) -> float:
     return torch.finfo(DTYPES[precision]).eps
 
 
+def autocast_dtype() -> torch.dtype:
+    """The dtype autocast computes in here (fp32 when it is off)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+
+
 class Recorder:
     """``fit`` of a trainer module, wrapped: each training step's loss and the
     autocast dtype it ran under (fp32 when autocast is off) are recorded."""
@@ -58,8 +64,7 @@ class Recorder:
                 loss, metrics = step_fn(m, batch)
                 if m.training:
                     self.losses.append(float(loss.detach().float()))
-                    on = torch.is_autocast_enabled("cpu")
-                    self.dtypes.add(torch.get_autocast_dtype("cpu") if on else torch.float32)
+                    self.dtypes.add(autocast_dtype())
                 return loss, metrics
 
             return real(model, train, val, config, step, **kwargs)
@@ -214,6 +219,14 @@ def test_vrank_trains_at_each_precision(tmp_path, monkeypatch):
         r = create_reward("vrank", model=str(tmp_path / precision / "best"), device="cpu", precision="fp32")
         assert all(math.isfinite(x) for x in r.compare(["a dog runs ."], ["a cat sits ."]))
     compare_runs("vrank", runs)
+    # The default, auto, is the authors' fp16 on CUDA and fp32 (no) on the CPU.
+    rec = Recorder(monkeypatch, vrank)
+    config = vrank.VrankTrainConfig(output_dir=str(tmp_path / "auto"), vhed=csv_path, epochs=1, batch_size=8,
+                                    max_length=64, base_model="unreachable/never-loaded")
+    assert config.mixed_precision == "auto"
+    vrank.train_vrank(config, progress=False, model=tiny_models.vrank_model(len(tokenizer), seed=1),
+                      tokenizer=tokenizer)
+    assert rec.dtypes == ({torch.float16} if torch.cuda.is_available() else {torch.float32})
 
 
 @pytest.mark.slow
