@@ -7,8 +7,9 @@ logits of the first greedy step are the fp32 model's within a tolerance.
 Tolerance: every weight is rounded to the dtype (relative error eps/2)
 and every op's output too, so unlike autocast training nothing stays in
 fp32; the first step's logits may differ by ``LOGIT_EPS_FACTOR * eps *
-max(1, max |fp32 logit|)``, with ``eps`` the dtype's machine epsilon. The
-measured differences are printed with -s.
+max(1, max |fp32 logit|)``, with ``eps`` the dtype's machine epsilon (a
+few ops' rounding, room for other CPUs' kernels); measured here: 0.16 to
+0.22 (printed with -s).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: Allowed first-step logit difference, in units of eps * max(1, max |logit|) (module docs).
-LOGIT_EPS_FACTOR = 16.0
+LOGIT_EPS_FACTOR = 4.0
 VOCAB = ["[INST] [/INST] <s> The dog ran home . A cat sat . five four three two write a story about these images "
          "in sentences using exactly"]
 

@@ -11,8 +11,9 @@ differs from fp32's only by rounding inside the autocast ops; with
 ``eps`` = the dtype's machine epsilon (fp16 2^-10, bf16 2^-7) it is
 allowed ``LOSS_EPS_FACTOR * eps * max(1, |loss|)``. The factor covers
 the accumulated rounding of a few layers (each matmul rounds its output
-once to the dtype, inputs are rounded once); measured factors are well
-under it (see MEASURED below, printed with -s).
+once to the dtype, inputs are rounded once) with room for other CPUs'
+kernels; measured on this machine: at most 0.24 (RoViST-VG fp16), most
+under 0.1 (printed with -s).
 """
 
 from __future__ import annotations
@@ -32,9 +33,7 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: Allowed first-step loss difference, in units of the dtype's epsilon (module docs).
-LOSS_EPS_FACTOR = 8.0
-#: Measured |loss - fp32 loss| / (eps * max(1, |loss|)), by trainer and precision (shown with -s).
-MEASURED: dict[tuple[str, str], float] = {}
+LOSS_EPS_FACTOR = 4.0
 
 
 _FIT = loop.fit
@@ -84,7 +83,6 @@ def check_run(name: str, precision: str, reference: list[float], rec: Recorder, 
     first, ref = rec.losses[0], reference[0]
     assert math.isfinite(first)
     diff = abs(first - ref) / (eps(precision) * max(1.0, abs(ref)))
-    MEASURED[(name, precision)] = diff
     print(f"{name} {precision}: first loss {first:.6f} vs fp32 {ref:.6f}: {diff:.2f} eps")
     assert diff <= LOSS_EPS_FACTOR, f"{name} {precision}: first loss {first} vs fp32 {ref} ({diff:.1f} eps)"
     assert all(math.isfinite(x) for x in rec.losses)
@@ -430,7 +428,6 @@ def check_trl_run(name, precision, lora, rec, result, reference, keys=("loss",))
     for key in keys:
         got, ref = first_log(result.history, key), first_log(reference, key)
         diff = abs(got - ref) / (eps(precision) * max(1.0, abs(ref)))
-        MEASURED[(f"{name} {key}" + (" lora" if lora else ""), precision)] = diff
         print(f"{name}{' lora' if lora else ''} {precision}: first {key} {got:.6f} vs fp32 {ref:.6f}: {diff:.2f} eps")
         assert diff <= LOSS_EPS_FACTOR, (name, precision, lora, key, got, ref)
 
