@@ -307,7 +307,10 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
                 policy = _build_llama_7b(tmp / "llama", [prompt, vocabulary], ctx.device)
             extra = {**extra, "ppo": {"gradient_checkpointing": gc_on},
                      "grpo": {"gradient_checkpointing": gc_on},
-                     **({"precision": ctx.precision} if ctx.precision != "auto" else {})}
+                     **({"precision": ctx.precision} if ctx.precision != "auto" else {}),
+                     # A random 7B writes soup dhm cannot score; PPO counts a story only when every
+                     # weighted reward scores it, so dhm is computed and timed at weight 0 and bleu trains.
+                     **({} if ctx.tiny else {"reward_weights": [0.0, 1.0]})}
             for algorithm in ("ppo", "grpo"):
                 free_memory()
                 with row(section, f"{label}, {algorithm.upper()}"):  # an OOM in PPO still lets GRPO run
@@ -331,10 +334,11 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
                  "optimisation) as shares of the mean timed step; peak = torch.cuda.max_memory_allocated over the "
                  "run. README estimate: benchmarks/README.md's table of 7B memory estimates, its LLaVA-NeXT-7B fp16 "
                  "inference row and its LLaMA-2-7B 4-bit + LoRA (TAPM training, batch 2) row: not for RL: they are a floor to compare with, not the same workload. The 7B policies are "
-                 "random (not fitted), so most of their stories are unscorable word soup: `bleu` (model-free, against the "
-                 "human story) is added next to `dhm` so that every step has a finite reward (storyrl stops a run "
-                 "whose rewards score nothing); its cost counts in the reward share, and `dhm` does less work on "
-                 "one-sentence soup (no coherence pairs) than on a trained policy's stories.")
+                 "random (not fitted), so their stories are word soup that `dhm` cannot score: `bleu` (model-free, "
+                 "against the human story) is added next to `dhm`, and at full size `dhm` has weight 0 (computed, "
+                 "logged and timed; `bleu` trains), because PPO scores a story only when every reward with a "
+                 "non-zero weight scores it (GRPO sums those that did); its cost counts in the reward share, and "
+                 "`dhm` does less work on one-sentence soup (no coherence pairs) than on a trained policy's stories.")
 
 
 # -- part: deepspeed ----------------------------------------------------------------------------

@@ -827,3 +827,41 @@ def test_bf16_refused_on_a_card_without_it(tmp_path, monkeypatch, capsys):
     assert gpu_suite.main(["--precision", "bf16", "--parts", "arch", "--out", str(out)]) == 2
     assert "--precision bf16: Tesla V100 does not support bfloat16" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("tiny", [False, True])
+def test_full_size_rl_rows_train_on_bleu_with_dhm_at_weight_zero(tiny, tmp_path, monkeypatch):
+    """Issue 30: PPO at 7B stopped at step 1 because the random 7B policies
+    write soup that dhm cannot score, and PPO counts a story only when every
+    reward with a non-zero weight scores it (GRPO sums those that did). At
+    full size both algorithms get dhm at weight 0 beside bleu (dhm still
+    computed and timed); --tiny's fitted policy keeps training on both."""
+    import rl_step
+
+    seen: dict[str, tuple] = {}
+
+    def runner(algorithm):
+        def run(assets, args, reward, out, prepare=False):
+            config = rl_step.rl_config(assets, args, reward, algorithm, out, prepare)
+            seen[f"{assets['policy']} {algorithm}"] = ([r if isinstance(r, str) else r["reward"]
+                                                        for r in config.rewards], config.reward_weights)
+            raise RuntimeError("recorded")  # the row fails; the part goes on
+
+        return run
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"story_id": "s0", "story": "A dog ran.", "images": []}) + "\n")
+    assets = {"data": str(data), "policy": "tiny-policy",
+              "rewards": {"dhm": [{"reward": "dhm", "rewards": {"repetition": {}}}]}}
+    monkeypatch.setattr(gpu_suite_rl, "_build_llava", lambda directory, texts, ctx: "llava")
+    monkeypatch.setattr(gpu_suite_rl, "_build_llama_7b", lambda directory, texts, device: "llama")
+    monkeypatch.setattr(gpu_suite_rl, "need", lambda *a, **kw: None)
+    ctx = gpu_suite_report.Context(tiny, "cuda", gpu_suite_report.Budget(10_000), tmp_path)
+    section = gpu_suite_report.Section("rl", "RL")
+    gpu_suite_rl._part_rl(ctx, section, rl_step, {"ppo": runner("ppo"), "grpo": runner("grpo")},
+                          lambda root, args: assets, None, lambda device: None)
+    policies = ("llava", "tiny-policy") if tiny else ("llava", "llama")
+    assert set(seen) == {f"{p} {a}" for p in policies for a in ("ppo", "grpo")}, section.lines
+    for rewards, weights in seen.values():
+        assert rewards == ["dhm", "bleu"]
+        assert weights == (None if tiny else [0.0, 1.0])
