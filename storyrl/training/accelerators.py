@@ -60,7 +60,8 @@ def make_accelerator(mixed_precision: str, **kwargs: Any):
         logger.warning("re-initialising accelerate's state for mixed_precision=%r", mixed_precision)
         AcceleratorState._reset_state()
         accelerator = Accelerator(**kwargs)
-    if mixed_precision == "fp16" and accelerator.scaler is None:
+    # Elsewhere accelerate made the scaler, or (DeepSpeed) fp16 is the engine's own.
+    if mixed_precision == "fp16" and accelerator.scaler is None and accelerator.device.type == "cpu":
         cpu_fp16(accelerator)
     return accelerator
 
@@ -75,8 +76,7 @@ def cpu_fp16(accelerator) -> None:
     import torch
 
     if accelerator.device.type != "cpu":
-        raise ValueError(f"mixed_precision: fp16 has no GradScaler on device {accelerator.device.type!r} in this "
-                         "accelerate; use bf16 or no")
+        raise ValueError(f"cpu_fp16: the accelerator is on {accelerator.device.type!r}, not the CPU")
     accelerator.native_amp = True
     accelerator.scaler = torch.amp.GradScaler("cpu")
     with accelerator.autocast():  # a later accelerate that builds its autocast otherwise must not train in fp32

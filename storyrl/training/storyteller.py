@@ -182,7 +182,7 @@ def match_precision(trainer: Any) -> Any:
     fp16 autocast and GradScaler its ``fp16=True`` asks for on the CPU too,
     where accelerate makes neither and would train in whatever dtype the
     weights have (:func:`storyrl.training.accelerators.cpu_fp16`)."""
-    if trainer.args.fp16 and trainer.accelerator.scaler is None:
+    if trainer.args.fp16 and trainer.accelerator.scaler is None and trainer.accelerator.device.type == "cpu":
         from storyrl.training.accelerators import cpu_fp16
 
         cpu_fp16(trainer.accelerator)
