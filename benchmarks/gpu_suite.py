@@ -206,7 +206,9 @@ def main(argv=None) -> int:
         print("--device cuda: no CUDA device here; use --device auto or cpu", file=sys.stderr)
         return 2
     device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    if args.precision == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+    from storyrl.models.runtime import cuda_native_bf16
+
+    if args.precision == "bf16" and device == "cuda" and not cuda_native_bf16():
         print(f"--precision bf16: {torch.cuda.get_device_name(0)} does not support bfloat16; use fp16 or fp32",
               file=sys.stderr)
         return 2

@@ -56,9 +56,24 @@ def resolve_precision(precision: str, device) -> str:
     if precision == "bf16" and kind == "cuda":
         import torch
 
-        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+        if torch.cuda.is_available() and not cuda_native_bf16():
             raise PrecisionError(f"precision bf16: {device} does not support bfloat16; use fp16 or fp32")
     return precision
+
+
+def cuda_native_bf16() -> bool:
+    """Whether the current CUDA device computes in bfloat16 natively (compute
+    capability 8.0 or newer). ``torch.cuda.is_bf16_supported()`` counts slow
+    emulation as support since torch 2.3 (a T4 says yes), which would let
+    "auto" pick bf16 and the bf16 refusals pass on such a card."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:  # torch < 2.3: no emulation argument, and no emulation counted
+        return bool(torch.cuda.is_bf16_supported())
 
 
 def resolve_dtype(precision: str, device):

@@ -183,7 +183,9 @@ class RLConfig(StorytellerConfig):
             return {"use_cpu": True, "bf16": False}
         if "fp16" in given:
             return {}
-        return {"bf16": bool(torch.cuda.is_bf16_supported())}
+        from storyrl.models.runtime import cuda_native_bf16
+
+        return {"bf16": cuda_native_bf16()}
 
     def _problems(self) -> list[str]:
         problems = []
@@ -235,7 +237,9 @@ class RLConfig(StorytellerConfig):
         if keys:
             import torch
 
-            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            from storyrl.models.runtime import cuda_native_bf16
+
+            if torch.cuda.is_available() and not cuda_native_bf16():
                 problems.append(f"{', '.join(keys)}: bf16 needs a GPU with bf16 support and this CUDA device has "
                                 "none; use fp16 (mixed precision) or fp32")
         return problems

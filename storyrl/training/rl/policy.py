@@ -106,7 +106,9 @@ def training_dtype(precision: str):
     import torch
 
     if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+        from storyrl.models.runtime import cuda_native_bf16
+
+        precision = "bf16" if cuda_native_bf16() else "fp32"
     return getattr(torch, _DTYPES[precision])
 
 

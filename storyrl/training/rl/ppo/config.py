@@ -123,7 +123,9 @@ class PPOConfig(Config):
         if self.mixed_precision == "bf16":
             import torch  # only here: the default (no) keeps this module torch-free
 
-            if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            from storyrl.models.runtime import cuda_native_bf16
+
+            if torch.cuda.is_available() and not cuda_native_bf16():
                 problems.append("mixed_precision: bf16 needs a GPU with bf16 support and this CUDA device has none; "
                                 "use fp16 or no")
         return problems
