@@ -327,3 +327,26 @@ def test_ppo_stops_at_non_finite_log_probabilities(tmp_path, base):
     with pytest.raises(RunFailedError, match=r"^step 1: the policy log-probabilities, reference log-probabilities "
                                              r"are NaN/inf \(weights bfloat16, mixed_precision no; an fp16 overflow"):
         trainer.train(progress=False)
+
+
+@pytest.mark.parametrize("which", ["values", "old_logprobs"])
+def test_ppo_stops_at_one_non_finite_token(tmp_path, base, which):
+    """One overflowing token is enough to stop (its NaN would spread through
+    the whole loss), and the values are checked like the log-probabilities
+    (a bf16 critic overflows too); the message names what was non-finite."""
+    from storyrl.training.runs import RunFailedError
+
+    trainer = _ppo(tmp_path, base, "bf16")
+    evaluate = trainer._evaluate
+
+    def one_bad_token(rollout):
+        out = dict(zip(("old_logprobs", "ref_logprobs", "values"), evaluate(rollout)))
+        i, j = rollout.response_mask().nonzero()[-1].tolist()
+        out[which] = out[which].clone()
+        out[which][i, j] = float("inf")
+        return out["old_logprobs"], out["ref_logprobs"], out["values"]
+
+    trainer._evaluate = one_bad_token
+    name = {"values": "values", "old_logprobs": "policy log-probabilities"}[which]
+    with pytest.raises(RunFailedError, match=rf"^step 1: the {name} are NaN/inf \(weights bfloat16"):
+        trainer.train(progress=False)

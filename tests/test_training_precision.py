@@ -653,3 +653,57 @@ def test_sft_fp16_lora_resume_restores_the_grad_scaler(story_assets, tmp_path, m
     a = load_file(Path(whole.final_dir) / "adapter_model.safetensors")
     b = load_file(Path(resumed.final_dir) / "adapter_model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cpu_fp16_scaler_is_on_and_skips_an_overflowing_step():
+    """The CPU GradScaler really scales: a CUDA one made on a CPU machine
+    switches itself off with a warning, and fp16 would then train with no
+    loss scaling and no skipped steps. A step whose gradients overflow is
+    skipped (weights kept) and the scale halves; a finite step trains."""
+    from storyrl.training.accelerators import make_accelerator
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    accelerator = make_accelerator("fp16")
+    assert accelerator.scaler.is_enabled()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x = torch.randn(3, 4)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = accelerator.scaler.get_scale()
+    with accelerator.autocast():
+        loss = model(x).float().sum() * float("inf")
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # skipped
+    assert accelerator.scaler.get_scale() == scale / 2
+    with accelerator.autocast():
+        loss = model(x).float().pow(2).mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_every_judge_trainer_takes_every_mixed_precision():
+    """Every accelerate trainer's config takes each mixed_precision value,
+    auto included (the help of TrainConfig's option promises it)."""
+    import dataclasses
+    import importlib
+
+    from storyrl.training.accelerators import MIXED_PRECISIONS
+    from storyrl.training.config import TrainConfig
+
+    checked = []
+    for name in ("coherence", "vrank", "cosmic", "rovist_vg", "tapm"):
+        module = importlib.import_module(f"storyrl.training.{name}")
+        configs = [c for c in vars(module).values()
+                   if isinstance(c, type) and issubclass(c, TrainConfig) and c.__module__ == module.__name__]
+        assert configs, name
+        for cls in configs:
+            field = {f.name: f for f in dataclasses.fields(cls)}["mixed_precision"]
+            assert field.metadata["choices"] == MIXED_PRECISIONS, cls.__name__
+            checked.append(cls.__name__)
+    assert len(checked) >= 5
