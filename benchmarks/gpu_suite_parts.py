@@ -143,6 +143,14 @@ def llava_7b(ctx: Context) -> str:
     return ctx.shared["llava_7b"]
 
 
+def generate_variants(precision: str) -> list[tuple[str, str, bool]]:
+    """The generate part's rows, ``(label, precision, 4-bit)``: the
+    --precision variant, then 4-bit NF4 (CUDA only) computing in it, in fp16
+    when that is fp32 (NF4 is a half-precision recipe; an fp32 compute dtype
+    would not be the 4-bit figure users compare with)."""
+    return [(precision, precision, False), ("4-bit NF4", "fp16" if precision == "fp32" else precision, True)]
+
+
 def part_generate(ctx: Context, section: Section) -> None:
     import generate as gen
     import torch
@@ -174,9 +182,7 @@ def part_generate(ctx: Context, section: Section) -> None:
     records = gen.write_data(tmp / "images", n_stories, sizes["images"])
     warm = tmp / "images" / "warm.jsonl"
     warm.write_text(records.read_text().splitlines()[0] + "\n")
-    # the --precision variant, then 4-bit NF4 (CUDA only) computing in it (fp16 when the first is fp32)
-    precision = ctx.dtype_name
-    variants = [(precision, precision, False), ("4-bit NF4", "fp16" if precision == "fp32" else precision, True)]
+    variants = generate_variants(ctx.dtype_name)
     rows, fp16_rows = [], []
     for label, precision, four_bit in variants:
         vlm = authors = None  # drop the previous variant's model (also after an out-of-memory error)

@@ -865,3 +865,62 @@ def test_full_size_rl_rows_train_on_bleu_with_dhm_at_weight_zero(tiny, tmp_path,
     for rewards, weights in seen.values():
         assert rewards == ["dhm", "bleu"]
         assert weights == (None if tiny else [0.0, 1.0])
+
+
+def test_quick_rl_runs_one_ppo_epoch_with_the_rewards_in_the_precision(tmp_path, monkeypatch):
+    """--quick's estimates assume one PPO epoch per rollout (the full run
+    takes 4), and --precision reaches the dhm reward's models in the rl part
+    as it reaches the policy (the note says so)."""
+    import rl_step
+
+    seen = []
+
+    def runner(assets, args, reward, out, prepare=False):
+        seen.append((args.ppo_epochs, assets["rewards"]["dhm"]))
+        raise RuntimeError("recorded")
+
+    spec = {"reward": "dhm", "rewards": {"grounding": {"clip_model": "c"}, "coherence": {"model": "m"}}}
+    monkeypatch.setattr(gpu_suite_rl, "_build_llava", lambda directory, texts, ctx: "llava")
+    monkeypatch.setattr(gpu_suite_rl, "_build_llama_7b", lambda directory, texts, device: "llama")
+    monkeypatch.setattr(gpu_suite_rl, "need", lambda *a, **kw: None)
+    for quick, epochs in ((True, 1), (False, 4)):
+        seen.clear()
+        ctx = gpu_suite_report.Context(False, "cuda", gpu_suite_report.Budget(10_000), tmp_path / str(quick),
+                                       quick=quick, precision="bf16")
+        gpu_suite_rl._part_rl(ctx, gpu_suite_report.Section("rl", "RL"), rl_step, {"ppo": runner, "grpo": runner},
+                              lambda root, args: {"data": "d", "policy": "p", "rewards": {"dhm": [spec]}}, None,
+                              lambda device: None)
+        assert len(seen) == 4
+        for ppo_epochs, rewards in seen:
+            assert ppo_epochs == epochs
+            assert [c["precision"] for c in rewards[0]["rewards"].values()] == ["bf16", "bf16"]
+        assert spec["rewards"]["grounding"] == {"clip_model": "c"}  # the assets' own spec left as it was
+
+
+def test_generate_4bit_computes_in_half_precision():
+    """The 4-bit row computes in the --precision dtype, in fp16 when that is
+    fp32 (its figures stay comparable with the documented NF4 ones)."""
+    assert gpu_suite_parts.generate_variants("fp32") == [("fp32", "fp32", False), ("4-bit NF4", "fp16", True)]
+    assert gpu_suite_parts.generate_variants("bf16") == [("bf16", "bf16", False), ("4-bit NF4", "bf16", True)]
+    assert gpu_suite_parts.generate_variants("fp16") == [("fp16", "fp16", False), ("4-bit NF4", "fp16", True)]
+
+
+def test_quick_mode_line_sums_the_chosen_parts():
+    parts = SimpleNamespace(tiny=False, quick=True, parts=["rl", "pairs"])
+    total = (gpu_suite_report.QUICK_PARTS["rl"] + gpu_suite_report.QUICK_PARTS["pairs"]) / 60
+    assert f"add up to {total:.1f} min" in gpu_suite.mode_line(parts)
+    everything = SimpleNamespace(tiny=False, quick=True, parts=list(gpu_suite_report.QUICK_PARTS))
+    assert f"add up to {sum(gpu_suite_report.QUICK_PARTS.values()) / 60:.1f} min" in gpu_suite.mode_line(everything)
+
+
+def test_recorded_policy_dtypes_restores_load_policy():
+    import storyrl.training.rl.policy as policy_module
+
+    original = policy_module.load_policy
+    found: list = []
+    with gpu_suite_rl.recorded_policy_dtypes(found):
+        assert policy_module.load_policy is not original
+    assert policy_module.load_policy is original
+    with pytest.raises(RuntimeError), gpu_suite_rl.recorded_policy_dtypes(found):
+        raise RuntimeError("a failed row")
+    assert policy_module.load_policy is original
