@@ -33,6 +33,7 @@ from conftest import precision_tolerance, shared_path
 
 import storyrl  # noqa: F401  (before torch/transformers: CPU torchvision fallback)
 from storyrl.rewards import REWARDS, Reward, build_reward, create_reward
+from storyrl.rewards.base import RewardError
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -381,3 +382,107 @@ def test_precision_is_the_dtype_the_models_layers_run_in(case, precision):
         assert weights == inputs == {torch.float32}, (name, weights, inputs)
     else:
         assert want in weights and want in inputs, (name, precision, weights, inputs)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_each_precision_gets_its_own_model_in_one_process(case, precision):
+    """A reward at fp32 and one at ``precision`` in one process (a composite
+    beside a lone reward, a sweep) do not share one loaded model: after the
+    fp32 one has run, the other still runs its layers in its own dtype."""
+    import torch
+    from torch import nn
+
+    from storyrl.models import release_models
+
+    name, c = case
+    reward = _model_reward(name, c)
+    release_models()
+    _at(reward, "fp32").score(c.stories, **c.context)
+    ran = []
+
+    def record(module, args, output):
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            ran.append(module.weight.dtype)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        _at(reward, precision).score(c.stories, **c.context)
+    finally:
+        handle.remove()
+        release_models()
+    want = {"fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    assert want in set(ran), f"{name} at {precision} after fp32 ran {set(ran) or 'no layer'}: the fp32 model shared"
+
+
+def _poison_one_value(output):
+    """The module's output with one element set to inf (in place where it is
+    a model output object; a new tensor otherwise)."""
+    import torch
+
+    if torch.is_tensor(output):
+        output = output.clone()
+        output.view(-1)[0] = float("inf")
+        return output
+    for key in ("logits", "last_hidden_state"):
+        value = getattr(output, key, None)
+        if value is not None:
+            value.view(-1)[0] = float("inf")
+            return output
+    raise AssertionError(f"no tensor to poison in {type(output).__name__}")
+
+
+# What overflows in each model reward: the tower whose output one non-finite value reaches.
+TOWERS = {
+    "clipscore": ("ClipEmbedder", lambda e: e.model.visual),
+    "groovist": ("ClipEmbedder", lambda e: e.model.visual),
+    "rovist_vg": ("RovistVGEmbedder", lambda e: e.model),
+    "cosmic": ("CosmicEncoders", lambda e: e.text_model),
+    "coherence": ("Module", lambda m: m),
+    "vrank": ("Module", lambda m: m),
+    "reward_model": ("Module", lambda m: m),
+}
+
+
+def test_one_non_finite_output_of_any_tower_raises_once(case):
+    """One overflowing value (an fp16 overflow in one story) in the output of
+    any of a model reward's towers is the model's failure: one RewardError,
+    not a NaN for that story (normalising or a softmax would make it NaN
+    silently)."""
+    import torch
+
+    from storyrl.models import release_models
+    from storyrl.models.caches import LruDict
+    from storyrl.models.runtime import _SHARED
+
+    name, c = case
+    if name not in TOWERS:
+        _model_reward(name, c)  # skips a reward without a model
+        pytest.fail(f"{name}: add its tower to TOWERS")
+    kind, tower = TOWERS[name]
+    release_models()
+    reward = c.make()
+    reward.score(c.stories, **c.context)  # loads the models (setup() would want spaCy for GROOViST's NPs)
+    objects = [v for value in _SHARED.values() for v in (value if isinstance(value, tuple) else (value,))]
+    if kind == "Module":
+        found = [o for o in objects if isinstance(o, torch.nn.Module)]
+    else:
+        found = [o for o in objects if type(o).__name__ == kind]
+    assert found, f"{name}: no {kind} loaded"
+    for holder in (*objects, reward):  # embedding caches emptied: the towers run again
+        for value in list(vars(holder).values()) if hasattr(holder, "__dict__") else ():
+            if isinstance(value, LruDict):
+                value.clear()
+    if name == "rovist_vg":  # its image tower is a method of the model, not a module of its own
+        embed = found[0].model.embed_images
+        found[0].model.embed_images = lambda pixels: _poison_one_value(embed(pixels))
+        handle = None
+    else:
+        handle = tower(found[0]).register_forward_hook(lambda module, args, output: _poison_one_value(output))
+    try:
+        with pytest.raises(RewardError, match="non-finite outputs"):
+            reward.score(c.stories, **c.context)
+        assert reward.stats["unscorable"] == 0 or "non-finite" not in str(reward.stats["reasons"])
+    finally:
+        if handle is not None:
+            handle.remove()
+        release_models()
