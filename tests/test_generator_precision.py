@@ -207,3 +207,33 @@ def test_generator_precision_options_are_validated():
         create_generator("prompting", model="m", precision="fp8")
     with pytest.raises((TypeError, ValueError), match="precision"):
         create_generator("tapm", model=".", precision="half")
+
+
+def test_pixel_dtype_is_the_vision_encoders_wherever_it_sits():
+    """The vision encoder found by its name at any depth (transformers 5
+    LLaVA keeps it at model.vision_tower, Qwen2-VL at model.visual), its
+    first floating weight (a quantised tower may start with integer
+    storage), and the model's dtype only when there is none."""
+    from torch import nn
+
+    from storyrl.generators.engines import pixel_dtype
+
+    class Wrapper(nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.head = nn.Linear(2, 2)  # first weight of the whole model: fp32
+            inner = nn.Module()
+            tower = nn.Module()
+            tower.register_buffer("codes", torch.zeros(2, dtype=torch.uint8))
+            tower.quantised = nn.Parameter(torch.zeros(2, dtype=torch.uint8), requires_grad=False)
+            tower.proj = nn.Linear(2, 2).to(torch.bfloat16)
+            setattr(inner, name, tower)
+            self.model = inner
+
+        @property
+        def dtype(self):
+            return torch.float32
+
+    for name in ("vision_tower", "vision_model", "visual", "vision_encoder"):
+        assert pixel_dtype(Wrapper(name)) == torch.bfloat16, name
+    assert pixel_dtype(Wrapper("language_model")) == torch.float32
