@@ -282,3 +282,147 @@ def test_this_machine_unpatched():
         import bitsandbytes
 
         assert bnb["version"] == bitsandbytes.__version__ and bnb["device"] in ("cpu", "cuda:0")
+
+
+# -- the breaks a review found the tests above did not catch -----------------------------
+
+
+@pytest.mark.parametrize("failing", ["device_count", "get_device_properties"])
+def test_cuda_that_fails_to_answer_is_one_line_not_a_traceback(monkeypatch, rl_4bit, failing):
+    # a driver too old for this torch build: torch.cuda raises RuntimeError, not ImportError
+    simulate_gpu(monkeypatch, torch, *H100)
+    fake_bitsandbytes(monkeypatch)
+    message = "CUDA driver version is insufficient for CUDA runtime version"
+
+    def fails(*args):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(torch.cuda, failing, fails)
+    result = run("--config", rl_4bit)  # run() re-raises anything but SystemExit
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    found = lines(result.output)
+    assert found["torch"] == ("MISSING", f"torch {torch.__version__}, a CUDA 12.4 build, but CUDA failed: {message}")
+    assert not any(label.startswith("cuda:") for label in found)
+    assert "get it: a visible GPU: check nvidia-smi, the driver and CUDA_VISIBLE_DEVICES" in result.output
+    data = json.loads(run("--json", "--config", rl_4bit).output)
+    assert not data["ok"] and data["gpu"]["cuda_error"] == message and data["gpu"]["devices"] == []
+    result = run("-m", "repetition")  # nothing named needs the GPU: a warning
+    assert result.exit_code == 0
+    assert lines(result.output)["torch"][0] == "WARN"
+
+
+def test_broken_bitsandbytes_on_a_good_gpu_fails_4bit(monkeypatch, rl_4bit, env):  # noqa: F811
+    from storyrl.doctor import Requirements, check
+    from storyrl.doctor.pieces import _four_bit_piece
+
+    simulate_gpu(monkeypatch, torch, *H100)
+    env["spacy"].add("bitsandbytes")  # installed, as pip sees it: importing it is what fails
+    broken_bitsandbytes(monkeypatch)
+    result = run("--config", rl_4bit)
+    assert result.exit_code == 1
+    assert lines(result.output)["torch"][0] == "OK"
+    assert lines(result.output)["bitsandbytes"][0] == "MISSING"
+    data = json.loads(run("--json", "--config", rl_4bit).output)
+    assert not data["ok"] and data["missing"] == ["bitsandbytes (load_in_4bit)"]
+    # bitsandbytes is judged by its import and 4-bit op even where nothing named needs GPU torch
+    reqs = Requirements()
+    reqs.add(_four_bit_piece(), "gen.yaml")
+    assert [p.label for p in check(reqs).missing()] == ["bitsandbytes (load_in_4bit)"]
+    assert reqs.pieces[0].where.startswith("import failed: CUDA Setup failed")
+    # and one without the CUDA backend, whose 4-bit op fails on the GPU, is missing too
+    fake_bitsandbytes(monkeypatch, cuda_backend=False, four_bit_error="not available in CPU-only bitsandbytes")
+    reqs = Requirements()
+    reqs.add(_four_bit_piece(), "gen.yaml")
+    assert [p.label for p in check(reqs).missing()] == ["bitsandbytes (load_in_4bit)"]
+    # a working one, though pip's lookup were to miss it, is present
+    env["spacy"].discard("bitsandbytes")
+    fake_bitsandbytes(monkeypatch)
+    reqs = Requirements()
+    reqs.add(_four_bit_piece(), "gen.yaml")
+    assert check(reqs).missing() == [] and reqs.pieces[0].present
+
+
+def test_bf16_is_judged_per_device(monkeypatch, rl_4bit):
+    # cuda:0 an H100 (native bf16), cuda:1 a T4 (emulated only); is_bf16_supported answers for cuda:0
+    simulate_gpu(monkeypatch, torch, *H100, count=2)
+    cards = {0: H100, 1: T4}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(
+        name=cards[i][0], total_memory=int(cards[i][1] * 2 ** 30)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cards[i][2])
+    fake_bitsandbytes(monkeypatch)
+    result = run("--config", rl_4bit)
+    assert result.exit_code == 0, result.output
+    found = lines(result.output)
+    assert found["cuda:0 NVIDIA H100 80GB HBM3"] == ("OK", "79.2 GiB, compute capability 9.0, bf16 yes, fp16 yes")
+    assert found["cuda:1 Tesla T4"] == (
+        "WARN", "14.6 GiB, compute capability 7.5, bf16 no (emulated, slow: use fp16), fp16 yes")
+    data = json.loads(run("--json", "--config", rl_4bit).output)
+    assert [d["bf16"] for d in data["gpu"]["devices"]] == [True, False]
+
+
+def test_fp16_matmul_with_a_wrong_result_fails(monkeypatch, rl_4bit):
+    real_probe = gpu_module._fp16_probe
+    simulate_gpu(monkeypatch, torch, *H100, count=2)
+    monkeypatch.setattr(gpu_module, "_fp16_probe", real_probe)  # the doctor's own probe runs
+    real_ones = torch.ones
+
+    class WrongCard:  # cuda:0 computes a wrong matmul; its result lands on the CPU here
+        def __matmul__(self, other):
+            return real_ones(16, 16) * 15
+
+    def ones(*size, dtype=None, device=None, **kwargs):
+        if device == "cuda:0":
+            return WrongCard()
+        if device == "cuda:1":  # a good card
+            return real_ones(*size)
+        return real_ones(*size, dtype=dtype, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "ones", ones)
+    probed = fake_bitsandbytes(monkeypatch)
+    result = run("--config", rl_4bit)
+    assert result.exit_code == 0, result.output  # cuda:1 is usable
+    found = lines(result.output)
+    assert found["cuda:0 NVIDIA H100 80GB HBM3"] == (
+        "WARN", "79.2 GiB, compute capability 9.0, bf16 yes, fp16 failed: fp16 matmul gave 3840.0, not 4096")
+    assert found["cuda:1 NVIDIA H100 80GB HBM3"][0] == "OK"
+    assert found["torch"][1].endswith("1 usable CUDA device(s): NVIDIA H100 80GB HBM3")
+    assert probed[-1] == "cuda:1"
+    data = json.loads(run("--json", "--config", rl_4bit).output)
+    assert [d["fp16"] for d in data["gpu"]["devices"]] == [False, True]
+
+
+def _rows(output: str) -> list[tuple[str, str]]:
+    """(status, label) of every table row (hint lines are indented)."""
+    rows = []
+    for line in output.splitlines():
+        parts = [part for part in line.split("  ") if part.strip()]
+        if len(parts) >= 2 and not line.startswith(" "):
+            rows.append((parts[0].strip(), parts[1].strip()))
+    return rows
+
+
+def test_torch_and_bitsandbytes_appear_once_in_the_table(monkeypatch, rl_4bit):
+    simulate_gpu(monkeypatch, torch, *H100)
+    fake_bitsandbytes(monkeypatch)
+    labels = [label for _, label in _rows(run("--config", rl_4bit).output)]
+    assert [label for label in labels if "torch" in label or "bitsandbytes" in label] == ["torch", "bitsandbytes"]
+    # missing: each hint once too
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    fake_bitsandbytes(monkeypatch, cuda_backend=False)
+    output = run("--config", rl_4bit).output
+    labels = [label for _, label in _rows(output)]
+    assert [label for label in labels if "torch" in label or "bitsandbytes" in label] == ["torch", "bitsandbytes"]
+    assert output.count("get it: a CUDA build of torch") == 1
+    assert output.count("get it: a CUDA device (see torch's line)") == 1
+
+
+def test_present_pieces_say_ok(monkeypatch, rl_4bit):
+    simulate_gpu(monkeypatch, torch, *H100)
+    fake_bitsandbytes(monkeypatch)
+    result = run("--config", rl_4bit)
+    assert result.exit_code == 0
+    rows = dict((label, status) for status, label in _rows(result.output))
+    assert rows["rl.yaml policy model"] == "OK" and rows["rl.yaml data"] == "OK"
+    assert set(rows.values()) == {"OK"}, result.output
