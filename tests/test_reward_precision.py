@@ -311,6 +311,13 @@ def test_reward_model_lora_adapters_score_as_fp32_within_rounding(reward_model_d
         return create_reward("reward_model", model=str(tmp_path), device="cpu", precision=p).score([STORY, OTHER])
 
     _close(score(precision), score("fp32"), precision, "LoRA reward model")
+    # the base under the adapters is held in the precision asked, not the checkpoint's fp32
+    reward = create_reward("reward_model", model=str(tmp_path), device="cpu", precision=precision)
+    reward.score([STORY])
+    model = reward._loaded()[0]
+    bases = {m.base_layer.weight.dtype for m in model.modules() if hasattr(m, "base_layer")}
+    adapters = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert bases == {getattr(torch, DTYPES[precision])} and adapters == {torch.float32}, (bases, adapters)
 
 
 # -- composites, through their components ------------------------------------------------------------
