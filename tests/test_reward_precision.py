@@ -385,3 +385,48 @@ def test_cosmic_open_clip_image_tower_embeds_as_fp32_within_rounding(tiny_clip, 
     encoders, got = embed(precision)
     assert {p.dtype for p in encoders.image_model.parameters()} == {getattr(torch, DTYPES[precision])}
     _close(got, want, precision, "COSMiC open_clip image tower")
+
+
+def test_check_runs_refuses_a_reduced_precision_but_not_fp32():
+    """A model that fails its load probe at fp16/bf16 is a precision the
+    user can change (PrecisionError naming the option); at fp32 the failure
+    is the model's own and surfaces as it is (no advice to set fp32)."""
+    import torch
+
+    from storyrl.models.runtime import ModelFailure, PrecisionError, check_runs
+
+    def broken():
+        raise RuntimeError("weights missing")
+
+    with pytest.raises(RuntimeError, match="^weights missing$"):
+        check_runs(broken, "toy", "fp32", "cpu")
+    with pytest.raises(PrecisionError, match=r"toy cannot run at precision fp16 on cpu \(weights missing\); set the "
+                                             r"precision option to fp32"):
+        check_runs(broken, "toy", "fp16", "cpu")
+    with pytest.raises(ModelFailure):
+        check_runs(lambda: torch.tensor([float("inf")]), "toy", "fp32", "cpu")
+    with pytest.raises(PrecisionError, match="toy gave non-finite outputs at precision bf16"):
+        check_runs(lambda: torch.tensor([1.0, float("nan")]), "toy", "bf16", "cpu")
+    check_runs(lambda: torch.ones(2), "toy", "fp16", "cpu")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_coherence_runs_under_autocast_at_reduced_precision(precision):
+    """RoViST-C holds its weights in the precision's dtype and runs under
+    autocast of that dtype (which keeps softmax and layer norm in fp32);
+    fp32 runs without autocast."""
+    import torch
+
+    from storyrl.rewards.coherence import _pair_logits
+
+    seen = []
+
+    class Net(torch.nn.Module):
+        def forward(self, **batch):
+            seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+            return batch["x"]
+
+    dtype = getattr(torch, DTYPES[precision])
+    out = _pair_logits(Net(), {"x": torch.ones(1, 2, dtype=dtype)}, torch.device("cpu"), dtype)
+    assert out.dtype == torch.float32
+    assert seen == [False if precision == "fp32" else dtype]
