@@ -417,7 +417,7 @@ def test_coherence_runs_under_autocast_at_reduced_precision(precision):
     fp32 runs without autocast."""
     import torch
 
-    from storyrl.rewards.coherence import _pair_logits
+    from storyrl.models.runtime import autocast_forward
 
     seen = []
 
@@ -427,6 +427,6 @@ def test_coherence_runs_under_autocast_at_reduced_precision(precision):
             return batch["x"]
 
     dtype = getattr(torch, DTYPES[precision])
-    out = _pair_logits(Net(), {"x": torch.ones(1, 2, dtype=dtype)}, torch.device("cpu"), dtype)
+    out = autocast_forward(Net(), {"x": torch.ones(1, 2, dtype=dtype)}, torch.device("cpu"), dtype)
     assert out.dtype == torch.float32
     assert seen == [False if precision == "fp32" else dtype]

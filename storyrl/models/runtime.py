@@ -83,6 +83,16 @@ def resolve_dtype(precision: str, device):
     return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[resolve_precision(precision, device)]
 
 
+def autocast_forward(net, batch: dict, device, dtype):
+    """``net``'s float32 output on ``batch`` (tensors moved to ``device``),
+    run under autocast of ``dtype`` (none at fp32): weights held in that
+    dtype still get autocast's fp32 ops (softmax, layer norm)."""
+    import torch
+
+    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        return net(**{k: v.to(device) for k, v in batch.items()}).float()
+
+
 def check_finite(values, what: str, precision: str) -> None:
     """ModelFailure unless every value of ``values`` (a model's float output,
     tensor or array) is finite: fp16 overflows above 65504 into inf, and a

@@ -46,14 +46,6 @@ def story_coherence(pair_scores: list[float]) -> float:
     return float(np.mean(pair_scores)) if len(pair_scores) else math.nan
 
 
-def _pair_logits(net, batch, device, dtype):
-    """The model's float32 logits of an :func:`encode_pairs` batch, run in ``dtype``."""
-    import torch
-
-    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        return net(**{k: v.to(device) for k, v in batch.items()}).float()
-
-
 @dataclass
 class CoherenceConfig(ModelConfig):
     model: str | None = option(None, "RoViST-C model: a storyrl coherence directory (storyrl train coherence) or "
@@ -81,7 +73,8 @@ class Coherence(Reward):
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
         from storyrl.models.coherence import encode_pairs, load_coherence_model
-        from storyrl.models.runtime import check_runs, resolve_device, resolve_dtype, resolve_precision, shared_model
+        from storyrl.models.runtime import (autocast_forward, check_runs, resolve_device, resolve_dtype,
+                                            resolve_precision, shared_model)
 
         if self.model is None:
             raise ValueError(
@@ -99,7 +92,7 @@ class Coherence(Reward):
             # autocast too, which keeps its fp32 ops (softmax, layer norm on
             # CUDA) in fp32.
             net = net.to(device, dtype).eval()
-            check_runs(lambda: _pair_logits(net, encode_pairs(tokenizer, [("a b.", "c d.")]), device, dtype),
+            check_runs(lambda: autocast_forward(net, encode_pairs(tokenizer, [("a b.", "c d.")]), device, dtype),
                        f"coherence model {self.model}", precision, device)
             return net, tokenizer
 
@@ -116,7 +109,7 @@ class Coherence(Reward):
         import torch
 
         from storyrl.models.coherence import encode_pairs
-        from storyrl.models.runtime import check_finite, resolve_precision
+        from storyrl.models.runtime import autocast_forward, check_finite, resolve_precision
 
         net, tokenizer, device, dtype = self._loaded()
         unique = list(dict.fromkeys(pairs))
@@ -136,7 +129,7 @@ class Coherence(Reward):
             start = end
         for index in batches:
             batch = encode_pairs(tokenizer, [unique[k] for k in index], self.max_length)
-            logits = _pair_logits(net, batch, device, dtype)
+            logits = autocast_forward(net, batch, device, dtype)
             check_finite(logits, f"coherence model {self.model}", resolve_precision(self.precision, device))
             probs[index] = torch.softmax(logits, dim=-1)[:, 1].cpu().numpy()
         row = {p: k for k, p in enumerate(unique)}

@@ -52,14 +52,6 @@ class VrankConfig(ModelConfig):
     symmetric: bool = option(False, "Average both orders of each pair (the paper reads one order).")
 
 
-def _gaps(net, batch, device, dtype):
-    """The model's float32 outputs for an encoded batch, run in ``dtype``."""
-    import torch
-
-    with torch.inference_mode(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        return net(**{k: v.to(device) for k, v in batch.items()}).float()
-
-
 def _valid(text: Any) -> bool:
     return isinstance(text, str) and bool(text.strip())
 
@@ -74,7 +66,8 @@ class Vrank(Reward):
 
     def _loaded(self):
         """(model, tokenizer, device, dtype), loaded once per process."""
-        from storyrl.models.runtime import check_runs, resolve_device, resolve_dtype, resolve_precision, shared_model
+        from storyrl.models.runtime import (autocast_forward, check_runs, resolve_device, resolve_dtype,
+                                            resolve_precision, shared_model)
         from storyrl.models.vrank import encode_story_pairs, load_vrank_model
 
         if self.model is None:
@@ -87,7 +80,7 @@ class Vrank(Reward):
             net, tokenizer = load_vrank_model(self.model, self.tokenizer)
             # Weights in the precision's dtype, autocast on top (as coherence).
             net = net.to(device, dtype).eval()
-            check_runs(lambda: _gaps(net, encode_story_pairs(tokenizer, ["a b."], ["c d."]), device, dtype),
+            check_runs(lambda: autocast_forward(net, encode_story_pairs(tokenizer, ["a b."], ["c d."]), device, dtype),
                        f"vrank model {self.model}", precision, device)
             return net, tokenizer
 
@@ -101,7 +94,7 @@ class Vrank(Reward):
     def predicted_gaps(self, firsts: Sequence[str], seconds: Sequence[str]) -> np.ndarray:
         """The model's raw output (avg_rank(first) - avg_rank(second)) for
         valid text pairs; pairs sorted by length into batches of ``batch_size``."""
-        from storyrl.models.runtime import check_finite, resolve_precision
+        from storyrl.models.runtime import autocast_forward, check_finite, resolve_precision
         from storyrl.models.vrank import encode_story_pairs
 
         net, tokenizer, device, dtype = self._loaded()
@@ -112,7 +105,7 @@ class Vrank(Reward):
             batch = encode_story_pairs(
                 tokenizer, [firsts[k] for k in index], [seconds[k] for k in index], self.max_length
             )
-            gaps = _gaps(net, batch, device, dtype)
+            gaps = autocast_forward(net, batch, device, dtype)
             check_finite(gaps, f"vrank model {self.model}", resolve_precision(self.precision, device))
             out[index] = gaps.cpu().numpy()
         return out
