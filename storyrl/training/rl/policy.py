@@ -21,6 +21,12 @@ disabled, no second copy).
 :func:`generate_stories` runs a trained policy (``OUTPUT_DIR/final``: full
 weights or LoRA adapters, with the tokenizer or processor) greedily on
 records, with the prompts the policy was trained on.
+
+A model directory of LoRA adapters (a trainer's ``final/`` with
+``lora.merge: false``) loads as its base with the adapters merged
+(:func:`storyrl.models.pretrained.load_pretrained`): a trainer starting from
+it starts from the saved policy, its reference is that policy, and new
+adapters record the directory as their base.
 """
 
 from __future__ import annotations
@@ -28,22 +34,23 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from storyrl.data import StoryRecord
 from storyrl.models.hub import local_copy_hint, require_hub_model
+from storyrl.models.pretrained import adapter_base, is_adapter_dir
 
 __all__ = ["Policy", "detect_policy", "generate_stories", "load_policy", "lora_config", "merge_adapters",
-           "vision_parameter_names"]
+           "trl_reference", "vision_parameter_names"]
 
 logger = logging.getLogger(__name__)
 
 #: Module names of vision encoders in transformers VLMs (LLaVA*, BLIP-2, Qwen2-VL, Idefics, ...).
 VISION_MODULES = ("vision_tower", "vision_model", "visual", "vision_encoder")
 _VISION_REGEX = rf"(.*\.)?({'|'.join(VISION_MODULES)})(\..*)?"
-ADAPTER_CONFIG = "adapter_config.json"
 #: What to do when the policy model must come from an unreachable hub.
 POLICY_HINT = local_copy_hint("model (the training YAML's key)", "--model")
 _DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -69,10 +76,9 @@ def _model_type(model: str, revision: str | None, read_hub: bool) -> str | None:
             return json.loads(config.read_text(encoding="utf-8")).get("model_type")
         except (ValueError, OSError, AttributeError) as exc:
             raise ValueError(f"{config}: cannot read the model's config: {exc}") from None
-    adapter = Path(model) / ADAPTER_CONFIG
-    if adapter.is_file():  # LoRA adapters: the base model tells
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
-        return _model_type(base, revision, read_hub) if base else None
+    if is_adapter_dir(model):  # LoRA adapters: the base model tells
+        base, base_revision = adapter_base(model)
+        return _model_type(base, base_revision, read_hub)
     if not read_hub:
         return None
     from transformers import AutoConfig
@@ -158,18 +164,18 @@ def load_policy(config, kind: str | None = None, path: str | None = None) -> Pol
 
             model = TapmModel.from_pretrained(name, dtype=dtype)
             processing_class = AutoTokenizer.from_pretrained(name)
-        elif kind == "vlm":
-            from transformers import AutoModelForImageTextToText, AutoProcessor
-
-            model = AutoModelForImageTextToText.from_pretrained(name, revision=revision, dtype=dtype,
-                                                                **_quantization(config, dtype))
-            processing_class = AutoProcessor.from_pretrained(name, revision=revision)
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(name, revision=revision, dtype=dtype,
-                                                         **_quantization(config, dtype))
-            processing_class = AutoTokenizer.from_pretrained(name, revision=revision)
+            from storyrl.models.pretrained import load_pretrained, processor_source
+
+            # Adapters (a trainer's final/ with lora.merge: false) load merged
+            # into their base: the policy starts as the one that was saved.
+            model_class, processor_class = ((AutoModelForImageTextToText, AutoProcessor) if kind == "vlm"
+                                            else (AutoModelForCausalLM, AutoTokenizer))
+            model = load_pretrained(model_class, name, revision=revision, dtype=dtype, **_quantization(config, dtype))
+            source, source_revision = processor_source(name, revision)
+            processing_class = processor_class.from_pretrained(source, revision=source_revision)
     except OSError as exc:
         raise ValueError(f"model {name}: cannot load: {' '.join(str(exc).split())}") from None
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
@@ -185,6 +191,30 @@ def load_policy(config, kind: str | None = None, path: str | None = None) -> Pol
             logger.warning("freeze_vision_tower: %s has no module named %s; nothing frozen", name,
                            " / ".join(VISION_MODULES))
     return Policy(model, processing_class, kind)
+
+
+@contextmanager
+def trl_reference(config, kind: str, trainer_class: type):
+    """While TRL's GRPO/RLOO trainer is built: its frozen reference (no
+    LoRA, beta > 0), which TRL reloads from the policy's config path
+    (``create_model_from_path``: no revision, no 4-bit, and a LoRA-adapter
+    directory would load as transformers' own peft integration does), is
+    loaded as the policy was (:func:`load_policy`)."""
+    import sys
+
+    module = sys.modules[next(c for c in trainer_class.__mro__ if c.__module__.startswith("trl.")).__module__]
+    original = module.create_model_from_path
+
+    def reference(model_id: str, **kwargs: Any):
+        model = load_policy(config, kind).model
+        model.requires_grad_(False)
+        return model.eval()
+
+    module.create_model_from_path = reference
+    try:
+        yield
+    finally:
+        module.create_model_from_path = original
 
 
 def lora_config(config, kind: str):
@@ -226,30 +256,10 @@ def merge_adapters(config, directory: str | Path, kind: str) -> None:
 
 
 def _load_trained(config, policy_dir: str, kind: str) -> Policy:
-    """A trained policy directory: full weights, or LoRA adapters on the
-    configured base (loaded as in training, 4-bit included)."""
-    if not (Path(policy_dir) / ADAPTER_CONFIG).is_file():
-        return load_policy(config, kind, path=policy_dir)
-    from peft import PeftModel
-
-    base = load_policy(config, kind)
-    try:
-        model = PeftModel.from_pretrained(base.model, policy_dir)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{policy_dir}: cannot load the adapters: {' '.join(str(exc).split())}") from None
-    processing_class = base.processing_class
-    try:  # the processor saved with the adapters (same as the base's unless changed)
-        from transformers import AutoProcessor, AutoTokenizer
-
-        loader = AutoProcessor if kind == "vlm" else AutoTokenizer
-        processing_class = loader.from_pretrained(policy_dir)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-    except (OSError, ValueError):
-        pass
-    return Policy(model, processing_class, kind)
+    """A trained policy directory: full weights, or LoRA adapters merged
+    into the base they were trained on (loaded as in training, 4-bit
+    included)."""
+    return load_policy(config, kind, path=policy_dir)
 
 
 def _max_new_tokens(config) -> int:

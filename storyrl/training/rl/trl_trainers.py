@@ -225,7 +225,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     (:class:`~storyrl.training.runs.RunFailedError`) without ``final/``."""
     from trl import GRPOTrainer, RLOOTrainer
 
-    from storyrl.training.rl.policy import lora_config
+    from storyrl.training.rl.policy import lora_config, trl_reference
     from storyrl.training.runs import RunFailedError
 
     if policy.kind == "tapm":
@@ -246,15 +246,16 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     wrapped = monitor.wrap(rewards)
     scorable = ScorableCheck([w.__name__ for w in wrapped], weights)
     trainer_class = _resumable(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer)
-    trainer = trainer_class(
-        model=policy.model,
-        reward_funcs=wrapped,
-        args=args,
-        train_dataset=dataset,
-        processing_class=policy.processing_class,
-        peft_config=lora_config(config, policy.kind),
-        callbacks=[HistoryCallback(output_dir), scorable, *(callbacks or [])],
-    )
+    with trl_reference(config, policy.kind, trainer_class):
+        trainer = trainer_class(
+            model=policy.model,
+            reward_funcs=wrapped,
+            args=args,
+            train_dataset=dataset,
+            processing_class=policy.processing_class,
+            peft_config=lora_config(config, policy.kind),
+            callbacks=[HistoryCallback(output_dir), scorable, *(callbacks or [])],
+        )
     quiet_progress(trainer, progress)
     trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     if scorable.failure is not None:
