@@ -220,7 +220,8 @@ def test_rl_on_rl_adapters_keeps_the_whole_chain(assets):
     check_edge(assets, first, second, {**LORA, "merge": False})
 
 
-def test_vlm_sft_adapters_to_grpo(assets):
+@pytest.fixture(scope="module")
+def vlm_sft(assets):
     from storyrl.training.sft import SFTRunConfig, train
 
     root = assets["root"]
@@ -230,6 +231,26 @@ def test_vlm_sft_adapters_to_grpo(assets):
         "max_steps": 1, "batch_size": 2, "learning_rate": 5e-2, "seed": 0, "lora": {**LORA, "merge": False}}),
         progress=False).final_dir
     assert (Path(sft) / "adapter_config.json").is_file()
+    return sft
+
+
+def test_vlm_adapters_are_a_generate_model(vlm_sft):
+    """``storyrl generate --model`` (the prompting generator's loader) reads
+    a VLM's adapters merged; vLLM, which reads full weights, refuses them."""
+    from storyrl.generators.engines import VllmEngine
+    from storyrl.models.vlm import load_vlm
+
+    loaded = load_vlm(vlm_sft, device="cpu", precision="fp32")
+    ids = probe_ids(vlm_sft)
+    assert (logprobs(loaded.model, ids) - logprobs(hand_policy(vlm_sft, vlm=True), ids)).abs().max() < 1e-5
+    assert kl(logprobs(loaded.model, ids), logprobs(hand_policy(str(Path(vlm_sft).parents[1] / "vlm"), vlm=True),
+                                                  ids)) > 1e-7
+    with pytest.raises(ValueError, match=r"backend 'vllm': .* holds LoRA adapters"):
+        VllmEngine(vlm_sft, None, None, "fp16", False, None)
+
+
+def test_vlm_sft_adapters_to_grpo(assets, vlm_sft):
+    sft = vlm_sft
     final = _rl({**assets, "data": assets["data"]}, "vlm_grpo", sft, "grpo", {**LORA, "merge": False})
     ids = probe_ids(sft)
     start_logp = logprobs(hand_policy(sft, vlm=True), ids)

@@ -104,6 +104,11 @@ class TransformersEngine:
 class VllmEngine:
     def __init__(self, model: str, revision: str | None, device: str | None, precision: str, load_in_4bit: bool,
                  decoding: Decoding) -> None:
+        from storyrl.models.pretrained import is_adapter_dir
+
+        if is_adapter_dir(model):  # vLLM reads full weights; storyrl merges adapters for transformers only
+            raise ValueError(f"backend 'vllm': {model} holds LoRA adapters, not a model; train with lora.merge: true "
+                             "(full weights) or use backend transformers, which loads them merged into their base")
         try:
             from vllm import LLM, SamplingParams
         except ImportError:

@@ -80,9 +80,13 @@ def _load(name: str, revision: str | None, device, precision: str, load_in_4bit:
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
         kwargs["device_map"] = {"": device.index or 0}
+    from storyrl.models.pretrained import load_pretrained, processor_source
+
     require_hub_model(name, hint="pass a local copy's directory as the model (storyrl generate --model DIR)")
-    processor = AutoProcessor.from_pretrained(name, revision=revision)
-    model = AutoModelForImageTextToText.from_pretrained(name, **kwargs)
+    source, source_revision = processor_source(name, revision)
+    processor = AutoProcessor.from_pretrained(source, revision=source_revision)
+    # A trainer's final/ of LoRA adapters loads merged into its base.
+    model = load_pretrained(AutoModelForImageTextToText, name, **kwargs)
     if not load_in_4bit:
         model.to(device)
     model.eval()

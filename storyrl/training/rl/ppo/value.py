@@ -76,7 +76,9 @@ def load_value_model(name: str, tokenizer=None, dtype: torch.dtype | None = None
     kwargs = {"num_labels": 1}
     if dtype is not None:
         kwargs["dtype"] = dtype
-    model = AutoModelForSequenceClassification.from_pretrained(name, **kwargs)
+    from storyrl.models.pretrained import load_pretrained
+
+    model = load_pretrained(AutoModelForSequenceClassification, name, **kwargs)
     check_value_model(model, tokenizer, name)
     return model
 
