@@ -384,3 +384,128 @@ def test_rl_config_without_model_needs_the_default_policy(env, tmp_path):
     cache_model(env["cache"], DEFAULT_VLM)
     _, found = pieces("--config", str(rl))
     assert found[("hub", DEFAULT_VLM)]["present"]
+
+
+def test_empty_metrics_is_a_usage_error_not_the_whole_setup(env):
+    # -m '' and -m ,,, name no reward: a slip, answered at once, not the paper's full check
+    for value in ("", ",,,", " , "):
+        result = run("-m", value)
+        assert result.exit_code == 2, value
+        assert result.output.count("\n") == 1, result.output
+        assert "--metrics: no reward named" in result.output and "leave -m out" in result.output
+
+
+_REAL_CONNECT = socket.create_connection  # before env's guard replaces it
+
+
+def _remote_config(tmp_path, url: str):
+    config = tmp_path / "remote.yaml"
+    config.write_text(f"reward: remote\nurl: {url}\n")
+    return config
+
+
+@pytest.fixture
+def local_network(env, monkeypatch):
+    """Sockets to this machine only (the reward server's test doubles), no proxy."""
+    monkeypatch.setattr(socket, "create_connection", _REAL_CONNECT)
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("no_proxy", "*")
+    monkeypatch.setattr("storyrl.doctor.checks.SERVER_TIMEOUT_S", 0.5)
+    env["spacy"].add("httpx")  # env's set of installed modules
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_remote_reward_checks_its_server(local_network, tmp_path):
+    import http.server
+    import threading
+
+    from conftest import REPO
+
+    # The shipped config: its server's /health is what gets checked.
+    reqs = lib.requirements([], [REPO / "configs" / "rewards" / "remote.yaml"])
+    server = next(p for p in reqs.pieces if p.kind == "server")
+    assert server.target == "http://localhost:5000/health" and server.required
+
+    # No server: a failure naming the URL, and how to start one.
+    url = f"http://127.0.0.1:{_closed_port()}"
+    result = run("--config", str(_remote_config(tmp_path, url + "/get_reward")))
+    assert result.exit_code == 1
+    line = next(line for line in result.output.splitlines() if "reward server" in line)
+    assert line.startswith("MISSING")
+    assert f"reward server {url}" in line and f"down: {url}/health" in line, result.output
+    assert f"start `storyrl serve --config REWARD.yaml` at {url}" in result.output
+
+    # A server that accepts but never answers: the check gives up after its timeout.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        _, found = pieces("--config", str(_remote_config(tmp_path, url)))
+    assert found[("server", f"{url}/health")]["where"] == f"down: {url}/health: no answer within 0.5 s"
+
+    # A server that answers /health: present, exit 0.
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.path == "/health" else 500)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        code, found = pieces("--config", str(_remote_config(tmp_path, url + "/")))
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=5)
+    assert code == 0, found
+    assert found[("server", f"{url}/health")]["where"] == f"{url}/health answers (HTTP 200)"
+    assert found[("package", "httpx")]["present"]
+
+
+def _cpu_rl_config(tmp_path, extra: str = "") -> str:
+    (tmp_path / "policy").mkdir(exist_ok=True)
+    (tmp_path / "train.jsonl").write_text("{}\n")
+    rl = tmp_path / "rl.yaml"
+    rl.write_text("algorithm: grpo\noutput_dir: out\ndata: train.jsonl\nmodel: policy\npolicy: causal_lm\n"
+                  "rewards: [repetition]\n" + extra)
+    return str(rl)
+
+
+def test_rl_config_that_trains_on_the_cpu_needs_no_gpu(env, tmp_path):
+    result = run("--config", _cpu_rl_config(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0].startswith("WARN      torch ")  # a note, not a failure
+    _, found = pieces("--config", _cpu_rl_config(tmp_path))
+    assert not found[("torch", "cuda")]["required"]
+
+
+@pytest.mark.parametrize("extra, key", [
+    ("load_in_4bit: true\nlora: {enabled: true}\n", "load_in_4bit"),
+    ("grpo: {use_vllm: true}\n", "grpo.use_vllm"),
+    ("grpo: {fp16: true}\n", "grpo.fp16"),
+])
+def test_rl_config_asking_for_cuda_needs_gpu_torch(env, tmp_path, extra, key):
+    code, found = pieces("--config", _cpu_rl_config(tmp_path, extra))
+    assert code == 1
+    gpu = found[("torch", "cuda")]
+    assert gpu["required"] and not gpu["present"] and gpu["needed_by"] == [f"rl.yaml ({key})"]
+    assert (("package", "vllm") in found) == (key == "grpo.use_vllm")
+
+
+def test_reward_on_a_cuda_device_needs_gpu_torch(env, tmp_path):
+    config = tmp_path / "g.yaml"
+    config.write_text("reward: groovist\ndevice: cuda:0\n")
+    _, found = pieces("--config", str(config))
+    assert found[("torch", "cuda")]["required"]

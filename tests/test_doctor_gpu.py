@@ -169,7 +169,7 @@ def test_no_gpu_fails_a_config_that_needs_cuda_and_4bit(monkeypatch, rl_4bit):
                                                 "(load_in_4bit needs a CUDA device)")
     assert probed == ["cpu"]  # the doctor's real round trip ran, on the CPU
     assert not any(label.startswith("cuda:") for label in found)
-    assert "needed by rl.yaml; get it: a CUDA build of torch: https://pytorch.org/" in result.output
+    assert "needed by rl.yaml (load_in_4bit); get it: a CUDA build of torch: https://pytorch.org/" in result.output
     assert "needed by rl.yaml; get it: a CUDA device (see torch's line)" in result.output  # installed already
     data = json.loads(run("--json", "--config", rl_4bit).output)
     assert data["missing"] == ["GPU torch (CUDA available)", "bitsandbytes (load_in_4bit)"]

@@ -43,13 +43,13 @@ def _table(gpu_lines, pieces) -> str:
 
 
 @click.command()
-@click.option("--metrics", "-m", default="", help="Comma-separated reward names whose pieces to check, e.g. dhm,groovist.")
+@click.option("--metrics", "-m", default=None, help="Comma-separated reward names whose pieces to check, e.g. dhm,groovist.")
 @click.option("--config", "configs", multiple=True, type=_FILE,
               help="A reward (configs/rewards), RL (configs/rl) or sweep (configs/sweeps) config; repeatable.")
 @click.option("--fetch", is_flag=True, help="Download the missing required pieces that can be downloaded (hub "
               "models, spaCy pipelines, storyrl assets), then check again.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object instead of a table.")
-def doctor(metrics: str, configs: tuple[Path, ...], fetch: bool, as_json: bool) -> None:
+def doctor(metrics: str | None, configs: tuple[Path, ...], fetch: bool, as_json: bool) -> None:
     """Report the GPU (torch's build; each CUDA device's name, memory, compute
     capability, bf16, fp16; bitsandbytes and a 4-bit op) and check what the
     named rewards and configs need -- GPU torch, 4-bit, hub models, spaCy
@@ -59,8 +59,12 @@ def doctor(metrics: str, configs: tuple[Path, ...], fetch: bool, as_json: bool) 
     when one is missing (MISSING; WARN and optional lines never fail it)."""
     from storyrl import doctor as lib
 
+    names = _metric_list(metrics)
+    if metrics is not None and not names:  # -m '' or -m ,,, is a slip, not a request for the whole setup
+        _fail(f"--metrics: no reward named in {metrics!r}; give names such as dhm,groovist, or leave -m out to "
+              "check the paper's whole setup", exit_code=2)
     try:
-        reqs = lib.requirements(_metric_list(metrics), configs)
+        reqs = lib.requirements(names, configs)
     except KeyError as exc:  # a reward name the command line got wrong: a usage error
         _fail(f"--metrics: {exc.args[0]}", exit_code=2)
     except (TypeError, ValueError) as exc:

@@ -9,6 +9,11 @@ from storyrl.doctor.gpu import GpuFacts, check_pieces, gpu_facts
 from storyrl.doctor.pieces import Piece, Requirements
 from storyrl.models.hub import in_cache
 
+#: How long a remote reward's server may take to answer GET /health: the
+#: doctor answers in seconds, and a server that is up answers at once.
+SERVER_TIMEOUT_S = 3.0
+
+
 def _hub_cache() -> Path:
     from storyrl.models import hub
 
@@ -44,8 +49,35 @@ def _check_spacy(piece: Piece) -> None:
     piece.present, piece.where = True, _installed(piece.target) or piece.target
 
 
+def _check_server(piece: Piece, timeout: float | None = None) -> None:
+    """GET the server's /health, as the remote reward's own setup does: a
+    2xx answer, or 404/405 from a server without /health, is up."""
+    import urllib.error
+    import urllib.request
+
+    from storyrl.rewards.base import one_line
+
+    url, timeout = piece.target, SERVER_TIMEOUT_S if timeout is None else timeout
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the config's http(s) URL
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+        if isinstance(reason, TimeoutError):
+            reason = f"no answer within {timeout:g} s"
+        piece.present = False
+        piece.where = f"down: {url}: {one_line(reason) if isinstance(reason, BaseException) else reason}"
+        return
+    piece.present = status < 400 or status in (404, 405)
+    piece.where = f"{url} answers (HTTP {status})" if piece.present else f"{url} answers HTTP {status}"
+
+
 def _check(piece: Piece) -> None:
-    if piece.kind == "hub":
+    if piece.kind == "server":
+        _check_server(piece)
+    elif piece.kind == "hub":
         folder = _hub_cache() / f"models--{piece.target.replace('/', '--')}"
         piece.present = in_cache(piece.target)
         piece.where = str(folder) if piece.present else f"not in the Hugging Face cache ({_hub_cache()})"

@@ -69,11 +69,26 @@ def _sweep_requirements(path: Path, reqs: Requirements) -> None:
 _RL_PATH_KEYS = ("image_root", "prompts_file", "sequence_image_dir")
 
 
+def _rl_cuda_only(data: Mapping[str, Any]) -> list[str]:
+    """The keys of an RL config that cannot run without CUDA: 4-bit loading
+    (storyrl refuses it on the CPU), vLLM, and TRL's fp16 (refused without
+    CUDA). Anything else trains on the CPU too, only slower."""
+    keys = ["load_in_4bit"] if data.get("load_in_4bit") is True else []
+    for name in ("grpo", "rloo"):
+        section = data.get(name)
+        if isinstance(section, Mapping):
+            keys += [f"{name}.{key}" for key in ("use_vllm", "fp16") if section.get(key) is True]
+    return keys
+
+
 def _rl_requirements(path: Path, data: Mapping[str, Any], reqs: Requirements) -> None:
     from storyrl.models.vlm import DEFAULT_VLM
 
     owner = path.name
-    reqs.add(_gpu_piece(True), owner)
+    cuda_only = _rl_cuda_only(data)
+    reqs.add(_gpu_piece(bool(cuda_only)), f"{owner} ({', '.join(cuda_only)})" if cuda_only else owner)
+    if any(key.endswith(".use_vllm") for key in cuda_only):
+        reqs.add(Piece("package", "vllm", "vllm (use_vllm: true)", 'pip install -e ".[vllm]"', True), owner)
     model = data.get("model", DEFAULT_VLM)
     if isinstance(model, str):
         reqs.add(_model_piece(model, f"{owner} policy model", None, True), owner)

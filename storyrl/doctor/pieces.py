@@ -25,9 +25,10 @@ PAPER_REWARDS = ("dhm", "groovist", "coherence", "repetition")
 #: Where the shipped configs (configs/sweeps/dhm_vist.yaml, configs/rl/) read VIST.
 PAPER_DATA = "data/vist"
 
-#: Kinds of piece; the first three can be downloaded by :func:`fetch`.
+#: Kinds of piece; the first three can be downloaded by :func:`fetch`. A
+#: "server" is a remote reward's server, asked ``GET /health``.
 FETCHABLE = ("hub", "spacy", "asset")
-KINDS = (*FETCHABLE, "torch", "path", "package")
+KINDS = (*FETCHABLE, "torch", "path", "package", "server")
 
 # How to get a file or directory option (a reward's, a generator's, a config's) when it is missing.
 _OPTION_HINTS = {
@@ -97,6 +98,15 @@ class Requirements:
 
 def _gpu_piece(required: bool) -> Piece:
     return Piece("torch", "cuda", "GPU torch (CUDA available)", TORCH_HINT, required)
+
+
+def _server_piece(url: str, required: bool) -> Piece:
+    """A remote reward's server (its ``url``: the base URL or the full
+    ``/get_reward`` URL), checked by asking its ``/health``, as the reward's
+    own setup does."""
+    base = url.rstrip("/").removesuffix("/get_reward")
+    return Piece("server", f"{base}/health", f"reward server {base}",
+                 f"start `storyrl serve --config REWARD.yaml` at {base}, or fix the remote reward's url", required)
 
 
 def _pathlike(name: str) -> bool:

@@ -19,6 +19,7 @@ from storyrl.doctor.pieces import (
     _gpu_piece,
     _model_piece,
     _pathlike,
+    _server_piece,
 )
 from storyrl.models.hub import open_clip_hub_id
 from storyrl.models.runtime import has_saved_tokenizer
@@ -94,8 +95,8 @@ def _leaf_pieces(name: str, config: Any, required: bool) -> list[Piece]:
     values = {info.name: getattr(config, info.name) for info in option_info(type(config))}
     infos = {info.name: info for info in option_info(type(config))}
     pieces: list[Piece] = []
-    if isinstance(config, ModelConfig):  # models run on CPU too, only slower
-        pieces.append(_gpu_piece(False))
+    if isinstance(config, ModelConfig):  # models run on CPU too, only slower, unless the config asks for CUDA
+        pieces.append(_gpu_piece(str(values.get("device") or "").startswith("cuda")))
     if "clip_model" in values:
         pieces += _clip_pieces(values["clip_model"], values.get("clip_pretrained"), required)
     if "spacy_pipeline" in values:
@@ -138,6 +139,10 @@ def _special_pieces(name: str, values: dict[str, Any], required: bool) -> list[P
         if not (model and Path(model).exists()):
             pieces.append(Piece("path", "(authors' RoViST-C checkpoint)",
                                 "authors' RoViST-C checkpoint (instead of training one)", ROVIST_URL, False))
+    if name == "remote":  # nothing to download: its client library, and a server that answers
+        pieces.append(Piece("package", "httpx", "httpx (remote reward client)", "pip install 'storyrl[remote]'",
+                            required))
+        pieces.append(_server_piece(values["url"], required))
     if name == "rovist_vg" and values.get("idf_corpus") is None:
         pieces.append(Piece("path", "(rovist_vg idf_corpus)", "rovist_vg idf_corpus (the paper weights by idf)",
                             VIST_URL, False))
