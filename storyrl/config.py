@@ -16,8 +16,15 @@ is not an integer, ``"3"`` is not a number. The only changes made to a value
 are lossless ones: an integer given for a float becomes that float, and a
 ``pathlib.Path`` given for a string becomes its string.
 
+Numbers must be usable as they are: NaN and infinity are refused in every
+float option (a learning rate of ``.inf`` trains every weight to NaN), unless
+the option is declared with ``allow_inf=True``; an integer option named
+``seed`` (or ``*_seed``) must be what numpy's and torch's seeding accept,
+0 to 2**32 - 1.
+
 YAML files are read with :func:`load_yaml`, which resolves ``1e-5`` as the
-float YAML 1.2 says it is (PyYAML's YAML 1.1 rules read it as a string).
+float YAML 1.2 says it is (PyYAML's YAML 1.1 rules read it as a string) and
+refuses a mapping that gives a key twice (PyYAML keeps the last silently).
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
-__all__ = ["Config", "ConfigError", "ConfigFileError", "ConfigTypeError", "Configurable", "check_type", "load_yaml",
-           "option", "option_info"]
+__all__ = ["Config", "ConfigError", "ConfigFileError", "ConfigTypeError", "Configurable", "check_type",
+           "first_nonfinite", "load_yaml", "option", "option_info"]
 
 
 class ConfigFileError(ValueError):
@@ -202,9 +209,34 @@ def _loader():
                 _check_alias_expansion(node)
             return node
 
+        def construct_mapping(self, node, deep=False):
+            _check_duplicate_keys(self, node)
+            return super().construct_mapping(node, deep=deep)
+
     Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
     return Loader
+
+
+def _check_duplicate_keys(loader: Any, node: Any) -> None:
+    """A mapping that gives a key twice is refused (ConstructorError at the
+    second): PyYAML would keep the last one and nobody would notice. Keys
+    a merge (``<<: *base``) brings in may be overridden: that is its purpose."""
+    import yaml
+
+    seen: dict[Any, Any] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            first = seen.setdefault(key, key_node)
+        except TypeError:  # an unhashable key: PyYAML's own error says so
+            continue
+        if first is not key_node:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {first.start_mark.line + 1})",
+                key_node.start_mark)
 
 
 #: How many nodes YAML aliases may add to a document once expanded: nested
@@ -290,16 +322,18 @@ def option(
     max: float | None = None,  # noqa: A002
     path: str | None = None,
     cli: bool = True,
+    allow_inf: bool = False,
 ) -> Any:
     """A :class:`Config` field: its ``default`` (``factory`` for a mutable
     one; neither = required), a one-line ``help``, the allowed ``choices``,
     numeric bounds ``min``/``max`` (inclusive), and for the command line
     ``path`` ("file", "dir", "any": must exist; "new-dir": may not) and
-    ``cli=False`` for fields set only in YAML or Python (mappings)."""
+    ``cli=False`` for fields set only in YAML or Python (mappings).
+    ``allow_inf`` lets the option's numbers be infinite (NaN never is)."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"path must be one of {PATH_KINDS}, got {path!r}")
     metadata = {"help": help, "choices": tuple(choices) if choices else None, "min": min, "max": max,
-                "path": path, "cli": cli}
+                "path": path, "cli": cli, "allow_inf": allow_inf}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -318,6 +352,7 @@ class OptionInfo:
     max: float | None = None
     path: str | None = None
     cli: bool = True
+    allow_inf: bool = False
 
     @property
     def required(self) -> bool:
@@ -335,7 +370,8 @@ def option_info(cls: type) -> tuple[OptionInfo, ...]:
         default = f.default if f.default is not REQUIRED else (
             f.default_factory() if f.default_factory is not REQUIRED else REQUIRED
         )
-        meta = {k: v for k, v in f.metadata.items() if k in ("help", "choices", "min", "max", "path", "cli")}
+        meta = {k: v for k, v in f.metadata.items()
+                if k in ("help", "choices", "min", "max", "path", "cli", "allow_inf")}
         infos.append(OptionInfo(f.name, hints[f.name], default, **meta))
     return tuple(infos)
 
@@ -359,6 +395,8 @@ class Config:
                 value = check_type(getattr(self, info.name), info.type)
             except TypeError as exc:
                 raise ConfigTypeError(f"{word} {info.name!r}: {exc}", owner=label, option=info.name) from None
+            except ValueError as exc:  # a nested config's value (a foreign dataclass's own checks)
+                raise ConfigError(f"{word} {info.name!r}: {exc}", owner=label, option=info.name) from None
             object.__setattr__(self, info.name, value)
         problems = [p for info in option_info(type(self)) if (p := _bound_problem(info, getattr(self, info.name)))]
         problems += self._problems()
@@ -436,6 +474,13 @@ def _dataclass_from_mapping(tp: type, value: Mapping[str, Any]) -> Any:
     the mapping as keyword arguments and do their own checks."""
     if isinstance(tp, type) and issubclass(tp, Config):
         return tp.from_mapping(value)
+    defaults = {f.name: f.default for f in dataclasses.fields(tp)}
+    for key, item in value.items():
+        default = defaults.get(key)
+        bad = first_nonfinite(item, allow_inf=isinstance(default, float) and math.isinf(default))
+        if bad is not None:  # a foreign config would take it (TRL's learning_rate: .inf trains NaN weights)
+            raise ValueError(f"{tp.__name__}: {key} must be a {'' if math.isnan(bad) else 'finite '}number, got "
+                             f"{bad!r}")
     try:
         return tp(**value)
     except TypeError as exc:
@@ -456,11 +501,37 @@ def _configs_as_dicts(value: Any) -> Any:
     return value
 
 
+#: What numpy's and torch's seeding accept (np.random.seed refuses the rest;
+#: transformers' set_seed calls it): the bounds of an option named seed.
+SEED_RANGE = (0, 2**32 - 1)
+
+
+def _is_seed(info: OptionInfo) -> bool:
+    return (info.name == "seed" or info.name.endswith("_seed")) and info.min is None and info.max is None
+
+
+def first_nonfinite(value: Any, allow_inf: bool = False) -> float | None:
+    """The first NaN (or, unless ``allow_inf``, infinite) float in ``value``
+    and the lists, tuples and mapping values in it; None if there is none.
+    Storyrl configs nested in it have checked their own options."""
+    if isinstance(value, float):
+        return value if math.isnan(value) or (math.isinf(value) and not allow_inf) else None
+    if isinstance(value, (list, tuple)) or (isinstance(value, Mapping) and not isinstance(value, Config)):
+        for item in (value.values() if isinstance(value, Mapping) else value):
+            bad = first_nonfinite(item, allow_inf)
+            if bad is not None:
+                return bad
+    return None
+
+
 def _bound_problem(info: OptionInfo, value: Any) -> str | None:
     if value is None:
         return None
-    if isinstance(value, float) and math.isnan(value) and (info.min is not None or info.max is not None):
-        return f"{info.name} must be a number, got nan"
+    bad = first_nonfinite(value, info.allow_inf)
+    if bad is not None:
+        return f"{info.name} must be a {'' if math.isnan(bad) else 'finite '}number, got {bad!r}"
+    if _is_seed(info) and isinstance(value, int) and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        return f"{info.name} must be in {SEED_RANGE[0]}..2**32-1 (what numpy and torch seed with), got {value!r}"
     if info.choices is not None and value not in info.choices:
         return f"{info.name} must be one of {', '.join(map(str, info.choices))}, got {value!r}"
     if info.min is not None and value < info.min:

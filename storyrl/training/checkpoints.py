@@ -128,8 +128,11 @@ def load_checkpoint(accelerator, checkpoint: Path, config: dict[str, Any],
     trainer's own (``trainer_state.json``), warning about settings of
     ``config`` (a config's ``to_dict()``) that differ from the checkpoint's
     other than those a resume may change (``may_change``)."""
+    from storyrl.training.guards import check_checkpoint_files
+
     state = json.loads((checkpoint / TRAINER_STATE).read_text(encoding="utf-8"))
     state["scheduler"] = scheduler_state(accelerator, checkpoint, state)  # never unpickled
+    check_checkpoint_files(checkpoint)  # a corrupted or planted file is named, not a long unpickling error
     accelerator.load_state(str(checkpoint))
     changed = sorted(k for k, v in state.get("config", {}).items() if k not in may_change and config.get(k, v) != v)
     if changed:
@@ -169,11 +172,15 @@ def scheduler_state(accelerator, checkpoint: Path, state: dict[str, Any]) -> dic
 
 
 def write_history(path: Path, history: list[dict]) -> None:
+    text = "".join(json.dumps(record) + "\n" for record in history)
+    try:
+        if path.read_text(encoding="utf-8") == text:
+            return  # as it is (a finished run resumed changes no file)
+    except (OSError, UnicodeDecodeError):
+        pass
     # Written aside and renamed: a crash never leaves a truncated history.
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for record in history:
-            f.write(json.dumps(record) + "\n")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 

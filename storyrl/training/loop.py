@@ -52,6 +52,7 @@ from storyrl.training.checkpoints import (
     write_history,
 )
 from storyrl.training.config import TrainConfig
+from storyrl.training.guards import check_finite_loss, check_resume_step
 
 __all__ = ["FitResult", "fit", "StepFn", "SaveFn", "TRAINER_STATE"]
 
@@ -314,6 +315,7 @@ def fit(
         scheduler.load_state_dict(state["scheduler"])
         history = state["history"]
         epoch_done, global_step = state["epoch"], state["global_step"]
+        check_resume_step(checkpoint, global_step, config.max_steps)  # past max_steps: not this run's
         # Older checkpoints, and val_loss runs, keep only best_val_loss.
         best_value = state.get("best_metric", state["best_val_loss"])
         best_val = sign * best_value if best_value is not None else math.inf
@@ -387,7 +389,10 @@ def fit(
             optimizer.zero_grad(set_to_none=True)
             global_step += 1
             train_totals.add(loss, n, metrics)
-            running += float(loss.detach().float().item()) * n
+            value = float(loss.detach().float().item())
+            if accelerator.scaler is None:  # (fp16's loss scaling skips an overflowing step by design)
+                check_finite_loss(value, f"epoch {epoch} step {global_step}")
+            running += value * n
             running_n += n
             bar.set_postfix(loss=f"{loss.item():.4f}")
             if global_step % config.log_every == 0:

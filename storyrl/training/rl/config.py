@@ -33,7 +33,7 @@ from typing import Any
 
 from trl import GRPOConfig, RLOOConfig
 
-from storyrl.config import Config, check_type, option
+from storyrl.config import Config, check_type, first_nonfinite, option
 from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
 from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
@@ -292,7 +292,8 @@ def _documented_types(cls: type, name: str) -> set[str]:
 def _check_trl_types(cls: type, given: Mapping[str, Any], label: str) -> None:
     """Each given key of a TRL config has its field's type, as storyrl's own
     options do (TrainingArguments would turn "1e-3" into a float): checked,
-    never converted; NaN is refused for numbers."""
+    never converted; NaN and infinity are refused for numbers (infinity
+    where the field's default is not infinite)."""
     import typing
 
     hints = typing.get_type_hints(cls)
@@ -300,8 +301,11 @@ def _check_trl_types(cls: type, given: Mapping[str, Any], label: str) -> None:
     for key, value in given.items():
         if key not in known:
             raise ValueError(f"{label}: unknown key {key!r} (see TRL's {cls.__name__})")
-        if isinstance(value, float) and math.isnan(value):
-            raise ValueError(f"{label}: key {key!r}: expected a number, got nan")
+        default = next(f.default for f in dataclasses.fields(cls) if f.name == key)
+        bad = first_nonfinite(value, allow_inf=isinstance(default, float) and math.isinf(default))
+        if bad is not None:  # TRL would train with it (learning_rate: .inf makes every weight NaN)
+            raise ValueError(f"{label}: key {key!r}: expected a {'' if math.isnan(bad) else 'finite '}number, "
+                             f"got {bad!r}")
         try:
             check_type(value, hints[key])
         except TypeError as exc:

@@ -11,7 +11,9 @@ trained policy lands in ``OUTPUT_DIR/final/``.
 
 ``resume`` continues from the latest checkpoint in ``OUTPUT_DIR`` (a run
 without one starts from the beginning, with a warning), with the same state
-as an uninterrupted run.
+as an uninterrupted run. On a run whose ``final/`` was written with the same
+config it is a no-op: nothing is loaded or written, the summary is the
+run's (:func:`~storyrl.training.guards.finished_history`).
 """
 
 from __future__ import annotations
@@ -95,9 +97,16 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
         raise ValueError(f"algorithm {config.algorithm}: callbacks (transformers TrainerCallback objects) are for "
                          f"{', '.join(n for n, a in ALGORITHMS.items() if a.callbacks)}; storyrl's "
                          f"{config.algorithm} takes none: leave callbacks unset")
+    history = _finished(config) if resume else None
+    if history is not None:
+        return RLResult(algorithm=config.algorithm, output_dir=config.output_dir, steps=history[-1]["step"],
+                        history=history)
     kind = config.policy_kind()
     if kind == "tapm" and config.algorithm != "ppo":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
+    from storyrl.training.guards import check_weight_files
+
+    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
     from storyrl.rewards.base import FatalRewardError, RewardError
 
     rewards = config.build_rewards()
@@ -120,6 +129,31 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
         from storyrl.training.runs import RunFailedError
 
         raise RunFailedError(f"stopped: {exc}") from exc
+
+
+def _finished(config: RLConfig) -> list[dict] | None:
+    """The history of a run that finished with this config (its latest
+    checkpoint checked first: one past max_steps or named for another step
+    is refused even then), else None."""
+    from storyrl.training.guards import check_named_checkpoint, finished_history
+
+    if config.algorithm == "ppo":
+        from storyrl.training.rl.ppo import find_latest_checkpoint
+
+        checkpoint = find_latest_checkpoint(config.output_dir)
+        if checkpoint is not None:
+            check_named_checkpoint(checkpoint, "step", config.max_steps)
+    else:
+        from storyrl.training.rl.trl_guards import latest_complete_checkpoint
+
+        checkpoint = latest_complete_checkpoint(config.output_dir)
+        if checkpoint is not None:
+            check_named_checkpoint(checkpoint, "global_step", config.max_steps)
+    history = finished_history(config, CONFIG_FILE)
+    if history is not None:
+        logger.info("resume: %s/final holds this run, finished at step %d; nothing to do", config.output_dir,
+                    history[-1]["step"])
+    return history
 
 
 #: Dataset columns that :meth:`~storyrl.rewards.base.Reward.prepare` reads

@@ -21,6 +21,12 @@ monitor.
   from the restored state on resume, so it never holds an entry twice).
 * The final policy goes to ``OUTPUT_DIR/final/`` with its tokenizer or
   processor: the LoRA adapters, or merged weights with ``lora.merge``.
+* :class:`RunGuard` (every storyrl TRL run has it: :class:`HistoryCallback`
+  is one) stops a run whose loss or trainable weights turn NaN/inf before
+  anything is saved, and makes a resume from a checkpoint that already
+  holds every step train none (transformers would train one more when the
+  run ended inside an epoch). ``--resume`` on a run that finished with the
+  same config is a no-op (:func:`~storyrl.training.guards.finished_history`).
 
 TAPM policies are refused (see :class:`~storyrl.training.rl.config.RLConfig`):
 both TRL trainers patch the forward of a ``PreTrainedModel`` driven by
@@ -41,10 +47,18 @@ from transformers import TrainerCallback
 from storyrl.console import progress as progress_bar
 from storyrl.console import verbose
 from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
+from storyrl.training.rl.trl_guards import (  # noqa: F401  (re-exported: where trainers import them from)
+    RunGuard,
+    TrainingDone,
+    latest_complete_checkpoint,
+    resume_checkpoint,
+    run_training,
+)
 
-__all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "HistoryCallback", "MonitoredReward", "ScorableCheck",
-           "StoryMonitor", "latest_complete_checkpoint", "load_full_weights", "quiet_progress", "resume_checkpoint",
-           "save_final", "train_to_final", "train_trl"]
+__all__ = ["HISTORY", "SAMPLES", "AsyncMonitoredReward", "FinishedRun", "HistoryCallback", "MonitoredReward",
+           "RunGuard", "ScorableCheck", "StoryMonitor", "TrainingDone", "latest_complete_checkpoint",
+           "load_full_weights", "quiet_progress", "resume_checkpoint", "run_training", "save_final",
+           "train_to_final", "train_trl"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,16 +168,18 @@ class AsyncMonitoredReward(MonitoredReward):
         return values
 
 
-class HistoryCallback(TrainerCallback):
+class HistoryCallback(RunGuard):
     """``history.jsonl``: one line per log entry (main process); on (re)start
     it is rewritten from the trainer's restored log history and
-    ``samples.jsonl`` is cut back to the checkpoint's steps."""
+    ``samples.jsonl`` is cut back to the checkpoint's steps. Every storyrl
+    TRL trainer adds it, so it is also the run's :class:`RunGuard`."""
 
     def __init__(self, output_dir: str | Path) -> None:
         self.history = Path(output_dir) / HISTORY
         self.samples = Path(output_dir) / SAMPLES
 
     def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
         if not state.is_world_process_zero:
             return
         self.history.parent.mkdir(parents=True, exist_ok=True)
@@ -174,6 +190,7 @@ class HistoryCallback(TrainerCallback):
             self.samples.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        super().on_log(args, state, control, logs=logs, **kwargs)
         if state.is_world_process_zero and logs is not None:
             with self.history.open("a", encoding="utf-8") as f:
                 f.write(_line({**logs, "step": state.global_step}))
@@ -234,7 +251,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     if not progress:
         args.disable_tqdm = True
     output_dir = Path(config.output_dir)
-    checkpoint = resume_checkpoint(output_dir, resume)
+    checkpoint = resume_checkpoint(output_dir, resume, config.max_steps)
     weights = list(config.reward_weights) if config.reward_weights is not None else [1.0] * len(rewards)
     is_main = args.process_index == 0
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
@@ -257,7 +274,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
             callbacks=[HistoryCallback(output_dir), scorable, *(callbacks or [])],
         )
     quiet_progress(trainer, progress)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    run_training(trainer, checkpoint)
     if scorable.failure is not None:
         raise RunFailedError(scorable.failure)
     if trainer.state.global_step == 0:
@@ -304,35 +321,6 @@ class ScorableCheck(TrainerCallback):
             control.should_training_stop = True
         else:
             logger.warning("step %d: no story was scorable by %s", state.global_step, ", ".join(self.names))
-
-
-def latest_complete_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest ``checkpoint-<step>/`` that TRL finished writing (its
-    ``trainer_state.json``, written last, reads back); a newer incomplete
-    one (a kill while it was written) is removed with a warning."""
-    import shutil
-
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-    output_dir = Path(output_dir)
-    if not output_dir.is_dir():
-        return None
-    found = []
-    for path in output_dir.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        suffix = path.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
-        if path.is_dir() and suffix.isdigit():
-            found.append((int(suffix), path))
-    for step, path in sorted(found, reverse=True):
-        try:
-            state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-            complete = state.get("global_step") == step
-        except (OSError, ValueError, AttributeError):
-            complete = False
-        if complete:
-            return path
-        logger.warning("resume: %s is incomplete (interrupted while it was written); removed", path)
-        shutil.rmtree(path, ignore_errors=True)
-    return None
 
 
 def _resumable(trainer_class: type) -> type:
@@ -418,27 +406,39 @@ def save_final(config, trainer, final: Path, config_file: str = "rl_config.yaml"
         config.to_yaml(final / config_file)
 
 
+class FinishedRun:
+    """What :func:`train_to_final` returns for a run that had finished: its
+    ``state`` (``global_step``, ``log_history``) as a trainer's."""
+
+    def __init__(self, history: list[dict]) -> None:
+        from types import SimpleNamespace
+
+        self.state = SimpleNamespace(global_step=history[-1]["step"], log_history=history)
+
+
 def train_to_final(config, build_trainer, resume: bool, progress: bool, config_file: str):
     """A storyteller run of a TRL trainer (SFT, DPO): find the checkpoint to
     resume from (before building: an incomplete one is removed), build the
     trainer with ``build_trainer(config, progress)``, train, save
-    ``OUTPUT_DIR/final`` (:func:`save_final`). Returns the trainer."""
-    checkpoint = resume_checkpoint(config.output_dir, resume)
+    ``OUTPUT_DIR/final`` (:func:`save_final`). Returns the trainer, or for
+    a resumed run that had finished with this config a :class:`FinishedRun`
+    (nothing is built, trained or written)."""
+    from storyrl.training.guards import check_weight_files, finished_history
+
+    checkpoint = resume_checkpoint(config.output_dir, resume, config.max_steps)
+    history = finished_history(config, config_file) if resume else None
+    if history is not None:
+        logger.info("resume: %s/final holds this run, finished at step %d; nothing to do", config.output_dir,
+                    history[-1]["step"])
+        return FinishedRun(history)
+    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
     trainer = build_trainer(config, progress)
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    if hasattr(config, "max_length") and len(trainer.train_dataset) == 0:
+        raise ValueError(f"max_length {config.max_length}: no training example is left once TRL's preprocessing "
+                         "cut prompt + story to max_length (every prompt fills it); raise max_length")
+    run_training(trainer, checkpoint)
     save_final(config, trainer, Path(config.output_dir) / "final", config_file=config_file)
     return trainer
-
-
-def resume_checkpoint(output_dir: str | Path, resume: bool) -> Path | None:
-    """The checkpoint a run continues from: with ``resume`` the latest
-    complete one (a warning when there is none: the run starts over)."""
-    if not resume:
-        return None
-    checkpoint = latest_complete_checkpoint(output_dir)
-    if checkpoint is None:
-        logger.warning("resume: no complete checkpoint-<step>/ in %s; starting from the beginning", output_dir)
-    return checkpoint
 
 
 def quiet_progress(trainer, progress: bool) -> None:

@@ -97,6 +97,7 @@ import torch
 
 from storyrl.training.accelerators import make_accelerator
 from storyrl.training.checkpoints import load_checkpoint
+from storyrl.training.guards import check_finite_weights, check_named_checkpoint
 from storyrl.training.rl import monitor
 from storyrl.training.rl.ppo import math as ppo_math
 from storyrl.training.rl.ppo.checkpoints import (
@@ -610,6 +611,8 @@ class PPOTrainer:
             if checkpoint is None:
                 raise FileNotFoundError(f"resume=True but {self.output_dir} holds no checkpoint-<step>/ "
                                         f"with {TRAINER_STATE}")
+            # Its step is its name's and within this run (a planted or another run's checkpoint is refused).
+            check_named_checkpoint(checkpoint, "step", self.num_steps)
             state = load_checkpoint(accelerator, checkpoint, args.to_dict(), RESUME_MAY_CHANGE)  # and the next step's RNG
             logger.info("resuming from %s (step %d)", checkpoint, state["step"])
             self.scheduler.load_state_dict(state["scheduler"])
@@ -634,6 +637,8 @@ class PPOTrainer:
             while self.step < self.num_steps:
                 metrics, samples = self._step(self.step)
                 self.step += 1
+                # Before anything is logged or saved: NaN/inf weights (a diverged update) stop the run.
+                check_finite_weights(self.model, f"step {self.step}")
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['objective/kl']:.3f}",
                                 masked=f"{metrics['ppo/masked_frac']:.2f}")
