@@ -414,3 +414,127 @@ def test_vlm_policy_sees_the_sequence_image_and_trains(assets, tmp_path):
 def test_vlm_refuses_the_files_prompt(assets, tmp_path):
     with pytest.raises(ValueError, match="prompts: pairs: a VLM policy"):
         config(assets, tmp_path, policy="vlm", prompts="pairs")
+
+
+# -- issue 31: informative monitoring samples, the finite mean, the frozen reference, identical pairs ---------
+
+
+def three_sequences(assets, tmp_path) -> str:
+    """Three sequences of as many images: a text policy's prompt is the same for each."""
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": TAPM_TEXTS[k], "images": assets["images"]})
+                            + "\n" for k in range(3)), encoding="utf-8")
+    return str(data)
+
+
+def test_monitoring_samples_distinct_records_seeded_and_leaves_the_rng(assets, tmp_path):
+    """The monitor used to decode greedily: every sequence of a text policy
+    has the same prompt, so samples.jsonl held one story thrice. Now each
+    sequence gets a story sampled from the run's seed (the same draws at
+    every call), and training's random state is left as it was."""
+    import torch
+
+    from storyrl.training.dpo import SampleMonitor
+    from storyrl.training.rl.policy import Policy, _generate, load_policy
+
+    run = config(assets, tmp_path / "out", data=three_sequences(assets, tmp_path), sample_steps=1, sample_prompts=3,
+                 sample_max_new_tokens=8, seed=3)
+    policy = load_policy(run)
+    policy.model.train()  # as the trainer holds it
+    monitor = SampleMonitor(run, "causal_lm", policy.processing_class, [])
+    assert len({json.dumps(r["prompt"]) for r in monitor.rows}) == 1  # one prompt for the three sequences
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    stories = monitor.stories(policy.model, policy.processing_class)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert monitor.stories(policy.model, policy.processing_class) == stories  # seeded: the same draws each time
+    assert len(set(stories)) == 3 and all(stories)  # three stories, not one thrice
+    assert policy.model.training  # put back in training mode
+    torch.manual_seed(3)
+    policy.model.eval()
+    assert _generate(Policy(policy.model, policy.processing_class, "causal_lm"), monitor.rows, 8,
+                     do_sample=True) == stories  # transformers' sampling (temperature 1) from the seed
+
+
+def test_monitoring_samples_in_a_run_are_three_distinct_stories_with_their_ids(assets, tmp_path):
+    from storyrl.training.dpo import train
+
+    result = train(config(assets, tmp_path / "out", data=three_sequences(assets, tmp_path), max_steps=2,
+                          sample_steps=1, sample_prompts=3, sample_max_new_tokens=8, seed=3), progress=False)
+    lines = [json.loads(x) for x in (Path(result.output_dir) / "samples.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert [s["story_id"] for s in line["samples"]] == ["s0", "s1", "s2"]
+        assert len({s["story"] for s in line["samples"]}) == 3
+
+
+def test_the_monitors_mean_is_over_the_stories_a_reward_scored(assets, tmp_path):
+    """A story the reward cannot score (NaN, None to TRL) is left out of
+    rewards/<name>/mean, not counted as 0: (2 + 4) / 2 = 3, not 6 / 3."""
+    from transformers import AutoTokenizer
+
+    from storyrl.rewards.base import Reward
+    from storyrl.training.dpo import SampleMonitor
+
+    class Picky(Reward):
+        name = "picky"
+
+        def _score_batch(self, stories, **context):
+            return np.array([math.nan if s == "a" else float(len(s.split())) * 2 for s in stories])
+
+    run = config(assets, tmp_path / "out", data=three_sequences(assets, tmp_path), sample_steps=1, sample_prompts=3)
+    monitor = SampleMonitor(run, "causal_lm", AutoTokenizer.from_pretrained(assets["chat"]), [Picky()])
+    monitor.stories = lambda model, processing_class: ["a", "b", "c d"]
+    metrics = monitor.run(None, None, step=1)
+    assert metrics["rewards/picky/mean"] == pytest.approx(3.0)
+    (line,) = [json.loads(x) for x in monitor.samples_path.read_text().splitlines()]
+    assert [s["rewards"]["picky"] for s in line["samples"]] == [None, 2.0, 4.0]
+
+
+def test_without_lora_the_reference_is_a_frozen_copy_loaded_as_the_policy(assets, tmp_path, monkeypatch):
+    """TRL reloads a missing reference from the model's path (no revision,
+    no 4-bit); storyrl hands it a second load_policy of the config, frozen."""
+    import torch
+
+    from storyrl.training import dpo
+    from storyrl.training.rl import policy as policy_module
+
+    loaded = []
+    original = policy_module.load_policy
+
+    def spy(*args, **kwargs):
+        loaded.append(original(*args, **kwargs))
+        return loaded[-1]
+
+    monkeypatch.setattr(policy_module, "load_policy", spy)
+    trainer = dpo.build_trainer(config(assets, tmp_path / "out"), progress=False)
+    policy, reference = trainer.model, trainer.ref_model
+    assert len(loaded) == 2 and policy is loaded[0].model
+    assert reference is loaded[1].model and reference is not policy  # storyrl's copy, not TRL's reload
+    assert not any(p.requires_grad for p in reference.parameters()) and not reference.training
+    assert all(p.requires_grad for p in policy.parameters())
+    a, b = policy.state_dict(), reference.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(x.data_ptr() != y.data_ptr() for x, y in zip(policy.parameters(), reference.parameters()))
+
+
+def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(assets, tmp_path, caplog):
+    import logging
+
+    from storyrl.training.dpo import build_trainer
+
+    rows = [{"prompt": FILE_PROMPT, "chosen": s, "rejected": s, "images": assets["images"], "story_id": f"s{k}"}
+            for k, s in enumerate([STORY_A, STORY_B])]
+    same = tmp_path / "same.jsonl"
+    same.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"^\S*same.jsonl: chosen equals rejected in all 2 pairs: nothing to learn") \
+            as info:
+        build_trainer(config(assets, tmp_path / "a", pairs=str(same)), progress=False)
+    assert "\n" not in str(info.value)
+    some = tmp_path / "some.jsonl"
+    some.write_text(Path(assets["pairs"]).read_text() + json.dumps(rows[0]) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        trainer = build_trainer(config(assets, tmp_path / "b", pairs=str(some)), progress=False)
+    assert len(trainer.train_dataset) == 3
+    assert any(r.getMessage().endswith("some.jsonl: chosen equals rejected in 1 of 3 pairs (line 3); they teach "
+                                       "nothing") for r in caplog.records)

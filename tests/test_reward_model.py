@@ -289,7 +289,9 @@ def test_bad_configs_are_one_line_errors(assets, tmp_path):
     with pytest.raises(ValueError, match="unknown key 'lr'"):
         RewardModelRunConfig.from_mapping({**options(assets, tmp_path / "o"), "lr": 1})
     mixed = write_pairs(tmp_path / "mixed.jsonl", [pair(0, "a cat"), pair(1, "the dog", prompt="Another prompt.")])
-    with pytest.raises(ValueError, match="include_prompt needs one prompt text.*include_prompt: false") as info:
+    with pytest.raises(ValueError, match=r"mixed.jsonl: include_prompt needs one prompt shared by every pair, but "
+                                         r"line 1 and line 2 differ \('Write a .*' vs 'Another prompt.'\); set "
+                                         r"include_prompt: false$") as info:
         build_trainer(config_of(assets, tmp_path / "o", pairs=mixed), progress=False)
     assert "\n" not in str(info.value)
     broken = write_pairs(tmp_path / "broken.jsonl", [pair(0, "a cat"), {"chosen": "x", "rejected": ""}])
@@ -378,10 +380,13 @@ def test_whitespace_stories_non_string_ids_and_empty_files_are_refused(tmp_path)
 def test_include_prompt_with_rows_without_a_prompt_is_refused(assets, tmp_path):
     from storyrl.training.reward_model import build_trainer
 
-    rows = [{k: v for k, v in pair(k, s).items() if k != "prompt"} for k, s in enumerate(SUBJECTS[:3])]
+    rows = [pair(0, SUBJECTS[0]), *({k: v for k, v in pair(k, s).items() if k != "prompt"}
+                                    for k, s in enumerate(SUBJECTS[1:3], start=1))]
     path = write_pairs(tmp_path / "noprompt.jsonl", rows)
-    with pytest.raises(ValueError, match="include_prompt needs one prompt text.*found 1 \\(None\\).*"
-                                         "include_prompt: false"):
+    # The file, the first line without one and the missing key, on one line.
+    with pytest.raises(ValueError, match=r"^pairs \S*noprompt.jsonl: line 2: no 'prompt' \(include_prompt: true "
+                                         r"scores the pairs' prompt before each story\); give the pairs their "
+                                         r"prompt or set include_prompt: false$"):
         build_trainer(config_of(assets, tmp_path / "o", pairs=path), progress=False)
     trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "o", pairs=path, include_prompt=False),
                                        progress=False)
@@ -601,3 +606,105 @@ def test_a_rejected_row_with_better_worse_is_the_both_formats_error(tmp_path):
     path = write_pairs(tmp_path / "r.jsonl", [{"rejected": "x"}])
     with pytest.raises(JudgementDataError, match="line 1: missing field 'chosen'"):
         load_pairs_jsonl(path)
+
+
+# -- issue 31: conversation prompts (storyrl pairs --policy), identical pairs ---------------------
+
+
+def chat_pair(k: int, subject: str, prompt) -> dict:
+    return {**pair(k, subject), "prompt": prompt}
+
+
+#: The prompt of `storyrl pairs --policy` rows: a chat model's user turn, and a VLM's (image + text parts).
+CHAT_PROMPT = [{"role": "user", "content": PROMPT}]
+VLM_PROMPT = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(assets):
+    return save_tiny_llama(assets["root"] / "chat_llama", TEXTS)  # tests/tiny_models.CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("conversation", [CHAT_PROMPT, VLM_PROMPT], ids=["chat", "vlm"])
+def test_conversation_prompts_train_and_the_reward_scores_as_trained(assets, chat_model, tmp_path, conversation):
+    """Pairs of a chat policy carry the prompt as messages: the model reads
+    the conversation's text rendered by its chat template up to the
+    assistant turn (the tiny template by hand: "user : TEXT\\nassistant :"),
+    the trained loss is the Bradley-Terry loss of those tokens, and the
+    reward scores a story after the very same text."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from storyrl.rewards import create_reward
+    from storyrl.training.reward_model import load_backbone, train
+
+    path = write_pairs(tmp_path / "chat.jsonl", [chat_pair(k, s, conversation) for k, s in enumerate(SUBJECTS)])
+    config = config_of(assets, tmp_path / "out", model=chat_model, pairs=path)
+    rendered = f"user : {PROMPT}\nassistant :"  # the image part dropped: the reward model reads text only
+    model, tokenizer = load_backbone(config)
+    model.eval()
+    chosen = torch.tensor([logit(model, hand_ids(tokenizer, good(s), rendered)) for s in SUBJECTS])
+    rejected = torch.tensor([logit(model, hand_ids(tokenizer, bad(s), rendered)) for s in SUBJECTS])
+    want = float(-torch.log(torch.sigmoid(chosen - rejected)).mean())
+    result = train(config, progress=False)
+    assert [e["loss"] for e in result.history if "loss" in e] == [pytest.approx(want, rel=1e-4)]
+    metadata = json.loads((Path(result.final_dir) / "storyrl_reward_model.json").read_text())
+    assert metadata["prompt"] == rendered and metadata["include_prompt"] is True
+    trained = AutoModelForSequenceClassification.from_pretrained(result.final_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(result.final_dir)
+    stories = [good("the dog"), bad("a cat")]
+    got = create_reward("reward_model", model=result.final_dir, device="cpu").score(stories)
+    np.testing.assert_allclose(got, [logit(trained, hand_ids(tokenizer, s, rendered)) for s in stories], atol=1e-5)
+
+
+def test_a_conversation_without_a_chat_template_is_its_texts_one_per_line(assets, tmp_path):
+    from storyrl.training.reward_model import build_trainer
+
+    conversation = [{"role": "system", "content": "we went home ."}, *VLM_PROMPT]
+    path = write_pairs(tmp_path / "plain.jsonl", [chat_pair(k, s, conversation) for k, s in enumerate(SUBJECTS)])
+    trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "o", pairs=path), progress=False)
+    assert prompt == f"we went home .\n{PROMPT}"
+    assert trainer.train_dataset[0]["chosen_ids"] == hand_ids(trainer.processing_class, good(SUBJECTS[0]), prompt)
+
+
+def test_prompt_text_leaves_the_bos_to_the_tokenizer():
+    from storyrl.rewards.reward_model import prompt_text
+
+    class Tokenizer:  # a template that writes the BOS a tokenizer also adds
+        chat_template, bos_token, bos_token_id = "x", "<s>", 1
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            assert add_generation_prompt and not tokenize
+            return "<s>" + "".join(f"[{m['role']}] {m['content']}" for m in messages) + " [assistant]"
+
+        def __call__(self, text):
+            return {"input_ids": [1, *range(2, 2 + len(text.split()))]}
+
+    assert prompt_text(VLM_PROMPT, Tokenizer()) == f"[user] {PROMPT} [assistant]"
+    assert prompt_text("as it is", Tokenizer()) == "as it is"
+
+
+def test_a_conversation_the_template_cannot_render_is_one_line(assets, chat_model, tmp_path):
+    from storyrl.training.reward_model import build_trainer
+
+    path = write_pairs(tmp_path / "bad.jsonl", [chat_pair(0, "a cat", [{"role": "user", "content": 7}])])
+    with pytest.raises(ValueError, match=r"^pairs \S*bad.jsonl: .*content must be a string or a list") as info:
+        build_trainer(config_of(assets, tmp_path / "o", model=chat_model, pairs=path), progress=False)
+    assert "\n" not in str(info.value)
+
+
+def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(assets, tmp_path, caplog):
+    import logging
+
+    from storyrl.training.reward_model import build_trainer
+
+    same = [{**pair(k, s), "rejected": good(s) + " "} for k, s in enumerate(SUBJECTS)]  # whitespace aside
+    path = write_pairs(tmp_path / "same.jsonl", same)
+    with pytest.raises(ValueError, match=r"^\S*same.jsonl: chosen equals rejected in all 8 pairs: nothing to learn"):
+        build_trainer(config_of(assets, tmp_path / "o", pairs=path), progress=False)
+    some = write_pairs(tmp_path / "some.jsonl", [*same[:2], *(pair(k, s) for k, s in enumerate(SUBJECTS[2:], 2))])
+    with caplog.at_level(logging.WARNING):
+        trainer, _, _ = build_trainer(config_of(assets, tmp_path / "o", pairs=some), progress=False)
+    assert len(trainer.train_dataset) == 8
+    (warning,) = [r.getMessage() for r in caplog.records if "chosen equals rejected" in r.getMessage()]
+    assert warning.endswith("some.jsonl: chosen equals rejected in 2 of 8 pairs (line 1, 2); they teach nothing")

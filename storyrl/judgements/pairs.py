@@ -32,7 +32,10 @@ Training rows
 ``storyrl pairs`` writes it, rows kept as dicts. ``chosen`` and ``rejected``
 are required non-empty strings; ``prompt``, when given, a string or a
 conversation (list of messages); ``images`` a list of paths (default
-empty); ``story_id`` a string or null.
+empty); ``story_id`` a string or null. A pair whose chosen story equals its
+rejected one (surrounding whitespace aside) teaches nothing (its loss stays
+at ln 2 and its gradient vanishes): a few are named in a warning, a file of
+nothing else is refused.
 
 VHED subsets
 ------------
@@ -53,6 +56,7 @@ other VHED figure of the paper; the gap is the ``label`` column (the paper's
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -297,4 +301,17 @@ def read_preference_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
         rows.append({**row, "images": images, "_line": n})
     if not rows:
         raise JudgementDataError(f"{path}: no preference pairs")
+    _check_distinct(rows, path)
     return rows
+
+
+def _check_distinct(rows: list[dict[str, Any]], path: str | os.PathLike) -> None:
+    """Refuse a file whose every pair has chosen == rejected; warn about some."""
+    same = [row["_line"] for row in rows if row["chosen"].strip() == row["rejected"].strip()]
+    if len(same) == len(rows):
+        raise JudgementDataError(f"{path}: chosen equals rejected in all {len(rows)} pairs: nothing to learn "
+                                 "(the loss stays at ln 2); pair different stories")
+    if same:
+        shown = ", ".join(map(str, same[:5])) + (", ..." if len(same) > 5 else "")
+        logging.getLogger(__name__).warning("%s: chosen equals rejected in %d of %d pairs (line %s); they teach "
+                                            "nothing", path, len(same), len(rows), shown)

@@ -4,11 +4,14 @@ The trainer fits a sequence-classification model with one output (TRL's
 ``RewardTrainer``, Bradley-Terry loss on preference pairs) and writes
 ``final/``: the model, its tokenizer and :data:`METADATA_FILE`, which says
 how the model read its stories: the token limit (``max_length``) and, when
-the pairs' prompt was part of the scored text, that prompt. This reward
-scores a story as the trainer did: the text :func:`scored_text` (prompt, a
-space, story), tokenized by :func:`encode` (TRL's end-of-sequence token
-appended, cut to ``max_length`` tokens), and the model's one logit is the
-score (higher = better, unbounded). Empty stories are unscorable (NaN).
+the pairs' prompt was part of the scored text, that prompt as the text the
+model read (:func:`prompt_text`: a conversation, as ``storyrl pairs
+--policy`` writes for chat models and VLMs, rendered once by the trainer
+with the reward model's chat template). This reward scores a story as the
+trainer did: the text :func:`scored_text` (that prompt text, a space,
+story), tokenized by :func:`encode` (TRL's end-of-sequence token appended,
+cut to ``max_length`` tokens), and the model's one logit is the score
+(higher = better, unbounded). Empty stories are unscorable (NaN).
 
 The encoding and scoring helpers live here, not in the trainer, so that the
 trainer's held-out accuracy and this reward compute the very same numbers.
@@ -26,11 +29,49 @@ import numpy as np
 from storyrl.config import option
 from storyrl.rewards.base import ModelConfig, Reward
 
-__all__ = ["METADATA_FILE", "RewardModel", "RewardModelConfig", "encode", "read_metadata", "score_texts",
-           "scored_text"]
+__all__ = ["METADATA_FILE", "RewardModel", "RewardModelConfig", "encode", "prompt_text", "read_metadata",
+           "score_texts", "scored_text"]
 
 #: The storyrl file in a trained reward model's directory (how to score).
 METADATA_FILE = "storyrl_reward_model.json"
+
+
+def _message_text(content: Any) -> str:
+    """A message's text: the string, or its text parts joined (image parts
+    dropped: a reward model reads text only)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(part["text"] for part in content
+                        if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str))
+    raise ValueError(f"a message's content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def prompt_text(prompt: str | list[dict[str, Any]], tokenizer: Any) -> str:
+    """The text a reward model reads for a pairs' ``prompt``: a string as it
+    is; a conversation (TRL's conversational format: ``storyrl pairs
+    --policy`` with a chat model or VLM) with its messages' text only (no
+    images), rendered by ``tokenizer``'s chat template up to the assistant
+    turn (``add_generation_prompt``), so the story follows where the policy
+    wrote it; a tokenizer without a chat template gets the messages' texts,
+    one per line. A begin-of-sequence token the template writes is left to
+    the tokenizer, which adds its own (no doubled BOS). ValueError when the
+    conversation does not render."""
+    if isinstance(prompt, str):
+        return prompt
+    try:
+        messages = [{"role": str(m.get("role", "user")), "content": _message_text(m.get("content", ""))}
+                    for m in prompt]
+        if not getattr(tokenizer, "chat_template", None):
+            return "\n".join(m["content"] for m in messages)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as exc:  # a template's own error (roles, content) is the user's to see, on one line
+        raise ValueError(f"the prompt's conversation does not render with the reward model's chat template: "
+                         f"{' '.join(str(exc).split())}") from None
+    bos = tokenizer.bos_token
+    if bos and text.startswith(bos) and tokenizer("")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text
 
 
 def scored_text(story: str, prompt: str | None) -> str:

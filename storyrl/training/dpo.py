@@ -11,14 +11,21 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   The loss is on the stories' tokens only (TRL's completion mask).
 * The reference is the policy as it starts: with LoRA the base with the
   adapters disabled (no second copy), otherwise a frozen copy loaded as the
-  policy is.
+  policy is (TRL would reload it from the path, without revision or 4-bit).
 * Monitoring as in RL runs: every ``sample_steps`` optimizer steps the
-  current policy writes greedy stories for the first ``sample_prompts``
-  sequences of ``data``; each of ``rewards`` scores them (context as RL
-  gives it: the human story as reference, the sequence's images) and
-  ``rewards/<name>/mean`` with the story statistics of
+  current policy samples a story (temperature 1, as RL samples) for each of
+  the first ``sample_prompts`` sequences of ``data``; each of ``rewards``
+  scores them (context as RL gives it: the human story as reference, the
+  sequence's images) and ``rewards/<name>/mean`` (over the stories a reward
+  could score) with the story statistics of
   :func:`storyrl.training.rl.monitor.story_stats` go into the step's log
-  (``history.jsonl``) and sample stories into ``samples.jsonl``.
+  (``history.jsonl``) and the first three stories, with their story ids,
+  into ``samples.jsonl``. Sampled, not greedy: a text policy's prompt
+  depends only on the image count, so greedy decoding wrote one story for
+  every sequence. The sampling is seeded by ``seed`` alone, the same draws
+  at every monitoring step (the steps differ by the policy, not by luck;
+  a resumed run samples what an uninterrupted one does), and leaves the
+  training's random state as it was.
 * ``precision`` is the weights' dtype and sets TRL's autocast
   (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
   weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
@@ -81,8 +88,8 @@ class DPORunConfig(TrlRunOptions, StorytellerConfig):
     # -- monitoring -----------------------------------------------------------------
     rewards: list[str | dict[str, Any]] = option(factory=list, help="Rewards that score the monitoring samples: "  # noqa: RUF009
                                                  "registered names, reward config YAML paths or mappings.")
-    sample_steps: int | None = option(None, "Every N optimizer steps, write and score stories for sample_prompts "
-                                      "sequences of data (none: no monitoring).", min=1)
+    sample_steps: int | None = option(None, "Every N optimizer steps, sample (seeded) and score a story for each "
+                                      "of sample_prompts sequences of data (none: no monitoring).", min=1)
     sample_prompts: int = option(4, "Sequences of data the monitoring stories are written for.", min=1)
     sample_max_new_tokens: int = option(128, "Token limit of a monitoring story.", min=1)
 
@@ -184,17 +191,27 @@ class SampleMonitor:
     def due(self, step: int) -> bool:
         return self.config.sample_steps is not None and step % self.config.sample_steps == 0
 
-    def run(self, model, processing_class, step: int, is_main: bool = True) -> dict[str, float]:
-        from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
+    def stories(self, model, processing_class) -> list[str]:
+        """One story per row, sampled from the seed (module docs)."""
+        import torch
+
         from storyrl.training.rl.policy import Policy, _generate
 
         training = model.training
         model.eval()
+        device = next(model.parameters()).device
         try:
-            texts = _generate(Policy(model, processing_class, self.kind), self.rows,
-                              self.config.sample_max_new_tokens)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(self.config.seed)
+                return _generate(Policy(model, processing_class, self.kind), self.rows,
+                                 self.config.sample_max_new_tokens, do_sample=True)
         finally:
             model.train(training)
+
+    def run(self, model, processing_class, step: int, is_main: bool = True) -> dict[str, float]:
+        from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
+
+        texts = self.stories(model, processing_class)
         metrics: dict[str, float] = {}
 
         def log_metric(name: str, value: float) -> None:
@@ -217,6 +234,7 @@ class SampleMonitor:
                 v[k] is not None for v in values.values()) else math.nan for k in range(len(texts))]
             samples = sample_stories(texts, totals, 3)
             for k, sample in enumerate(samples):
+                sample["story_id"] = self.rows[k]["story_id"]
                 sample["rewards"] = {name: finite_or_none(v[k]) for name, v in values.items()}
             self.samples_path.parent.mkdir(parents=True, exist_ok=True)
             with self.samples_path.open("a", encoding="utf-8") as f:
@@ -275,7 +293,7 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
     peft = lora_config(config, kind)
     # Without LoRA the reference is a frozen copy loaded as the policy was
     # (TRL would reload it from the config's path, without revision or 4-bit).
-    reference = None if peft is not None else load_policy(config, kind).model
+    reference = None if peft is not None else load_policy(config, kind).model.requires_grad_(False).eval()
     monitor = SampleMonitor(config, kind, policy.processing_class, config.build_rewards()) \
         if config.sample_steps is not None else None
     trainer = _monitored(DPOTrainer)(

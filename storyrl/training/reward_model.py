@@ -10,8 +10,13 @@ configs/training/reward_model.yaml``).
 * Each story is scored as the ``reward_model`` reward scores it
   (:mod:`storyrl.rewards.reward_model`): with ``include_prompt`` the pairs'
   prompt, a space and the story, else the story alone; TRL's EOS appended;
-  cut to ``max_length`` tokens. The pairs are tokenized here, so TRL drops
-  none of them for length.
+  cut to ``max_length`` tokens. The pairs' one prompt may be a conversation
+  (``storyrl pairs --policy`` with a chat model or VLM): it is rendered once
+  here as text (:func:`~storyrl.rewards.reward_model.prompt_text`: the
+  backbone's chat template, text parts only) and that text is what
+  ``storyrl_reward_model.json`` keeps, so the reward prepends the very text
+  the model trained on. The pairs are tokenized here, so TRL drops none of
+  them for length.
 * ``eval_fraction`` of the image sequences (pairs grouped by ``story_id``, a
   pair without one is its own group; the choice is seeded) is held out: they
   are written to ``OUTPUT_DIR/heldout_pairs.jsonl`` (a ``storyrl meta-eval
@@ -63,7 +68,8 @@ class RewardModelRunConfig(TrlRunOptions):
     pairs: str = option(help="Preference pairs JSONL (storyrl pairs): prompt, chosen, rejected, story_id, ...",
                         path="file")
     include_prompt: bool = option(True, "Score the pairs' prompt, a space and the story (TRL's prompt + completion); "
-                                  "false: the story alone. True needs one prompt text shared by all pairs.")
+                                  "false: the story alone. True needs one prompt shared by all pairs (a "
+                                  "conversation is rendered with the model's chat template, its text only).")
     eval_fraction: float = option(0.1, "Share of image sequences (story_id) held out for pair accuracy; 0 = none.",
                                   min=0.0, max=0.9)
     output_dir: str = option(help="TRL's checkpoint-<step>/, history.jsonl, heldout_pairs.jsonl and the model in "
@@ -113,15 +119,28 @@ def read_pairs(path: str | Path) -> list[dict[str, Any]]:
     return read_preference_rows(path)
 
 
-def shared_prompt(rows: list[dict[str, Any]], path: str) -> str:
-    """The one prompt text of the pairs (ValueError otherwise): the reward
-    scores stories without a prompt of their own, so it prepends this one."""
-    prompts = {row.get("prompt") for row in rows}
-    if len(prompts) != 1 or not isinstance(next(iter(prompts)), str):
-        shown = ", ".join(repr(p)[:40] for p in list(prompts)[:3])
-        raise ValueError(f"pairs {path}: include_prompt needs one prompt text shared by every pair, found "
-                         f"{len(prompts)} ({shown}); set include_prompt: false")
-    return next(iter(prompts))
+def shared_prompt(rows: list[dict[str, Any]], path: str) -> str | list[dict[str, Any]]:
+    """The one prompt of the pairs, a text or a conversation (ValueError
+    naming the line otherwise): the reward scores stories without a prompt
+    of their own, so it prepends this one."""
+    for row in rows:
+        if row.get("prompt") is None:
+            raise ValueError(f"pairs {path}: line {row['_line']}: no 'prompt' (include_prompt: true scores the "
+                             "pairs' prompt before each story); give the pairs their prompt or set include_prompt: "
+                             "false")
+    first = rows[0]
+    key = json.dumps(first["prompt"], sort_keys=True)
+    for row in rows[1:]:
+        if json.dumps(row["prompt"], sort_keys=True) != key:
+            raise ValueError(f"pairs {path}: include_prompt needs one prompt shared by every pair, but line "
+                             f"{first['_line']} and line {row['_line']} differ ({_shown(first['prompt'])} vs "
+                             f"{_shown(row['prompt'])}); set include_prompt: false")
+    return first["prompt"]
+
+
+def _shown(prompt: Any) -> str:
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
 
 
 def split_pairs(rows: list[dict[str, Any]], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -168,14 +187,15 @@ def load_backbone(config: RewardModelRunConfig):
     """(model with a one-output head, tokenizer) of ``config.model``, seeded."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
+    from storyrl.models.pretrained import load_pretrained
     from storyrl.training.rl.policy import detect_policy, training_dtype
 
     if detect_policy(config.model, config.revision) in ("vlm", "tapm"):
         raise ValueError(_refusal(config.model))
     set_seed(config.seed)  # the score head is new: its initialisation follows the seed
     tokenizer = AutoTokenizer.from_pretrained(config.model, revision=config.revision)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        config.model, revision=config.revision, num_labels=1, dtype=training_dtype(config.precision))
+    model = load_pretrained(AutoModelForSequenceClassification, config.model, revision=config.revision,
+                            num_labels=1, dtype=training_dtype(config.precision))
     if tokenizer.pad_token is None:  # as TRL does: EOS pads
         tokenizer.pad_token = tokenizer.eos_token
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -189,10 +209,16 @@ def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks
 
     from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
 
+    from storyrl.rewards.reward_model import prompt_text
+
     rows = read_pairs(config.pairs)
-    prompt = shared_prompt(rows, config.pairs) if config.include_prompt else None
+    pairs_prompt = shared_prompt(rows, config.pairs) if config.include_prompt else None
     train_rows, held = split_pairs(rows, config.eval_fraction, config.seed)
     model, tokenizer = load_backbone(config)
+    try:
+        prompt = None if pairs_prompt is None else prompt_text(pairs_prompt, tokenizer)
+    except ValueError as exc:
+        raise ValueError(f"pairs {config.pairs}: {exc}") from None
     trainer = RewardTrainer(model=model, args=_args(config, progress),
                             train_dataset=_dataset(train_rows, tokenizer, prompt, config.max_length),
                             processing_class=tokenizer, peft_config=_lora(config),
