@@ -1,5 +1,7 @@
-"""The report charts (ablation, meta-eval, sweep): legends never cover a bar,
-and a value without a number (NaN) is marked, never silently dropped."""
+"""The report charts (ablation, meta-eval, sweep): legends never cover a bar
+(or any data: :func:`overlaps`, which tests/test_example_rl_vist.py uses
+for the example's plot too), a value without a number (NaN) is marked,
+never silently dropped, and neither is a bar of 0."""
 
 import math
 
@@ -9,6 +11,7 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
+import numpy as np
 from matplotlib.patches import Rectangle
 
 from storyrl.eval.ablation_report import AblationResult, VariantResult, ablation_figure, plot_ablation
@@ -23,19 +26,52 @@ def _bars(fig, renderer):
             if isinstance(p, Rectangle) and math.isfinite(p.get_height()) and p.get_height() != 0]
 
 
+def _hits_line(box, line) -> bool:
+    """Whether a plotted line (its points, and its segments when drawn) meets ``box``."""
+    path = line.get_transform().transform_path(line.get_path())
+    points = path.vertices[np.isfinite(path.vertices).all(axis=1)]
+    x0, y0, x1, y1 = box.padded(line.get_markersize() * line.figure.dpi / 144).extents  # half a marker around each point
+    if ((points[:, 0] >= x0) & (points[:, 0] <= x1) & (points[:, 1] >= y0) & (points[:, 1] <= y1)).any():
+        return True
+    return line.get_linestyle() not in ("None", "", " ") and path.intersects_bbox(box, filled=False)
+
+
+def _hits_collection(box, collection) -> bool:
+    """Error bars and the like: any of their segments meets ``box``."""
+    transform = collection.get_transform()
+    return any(transform.transform_path(p).intersects_bbox(box, filled=False) for p in collection.get_paths())
+
+
 def overlaps(fig) -> list[str]:
-    """(legend, bar) pairs whose drawn boxes intersect, over every axes."""
+    """Legends that cover a data artist, over every axes: a bar, a plotted
+    line or point, an error bar, or a label written on the data (n/a, 0, n=)."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     bars = _bars(fig, renderer)
-    assert bars, "no bars drawn"
+    assert bars or any(ax.lines for ax in fig.axes), "nothing drawn"
     hits = []
     for ax in fig.axes:
         legend = ax.get_legend()
         assert legend is not None
         box = legend.get_window_extent(renderer)
         hits += [f"{ax.get_title()}: bar at {b.x0:.0f},{b.y0:.0f}" for _, b in bars if box.overlaps(b)]
+        for other in fig.axes:
+            hits += [f"{ax.get_title()}: line {line.get_label()} of {other.get_title()}" for line in other.lines
+                     if line.get_visible() and _hits_line(box, line)]
+            hits += [f"{ax.get_title()}: error bars of {other.get_title()}" for c in other.collections
+                     if c.get_visible() and _hits_collection(box, c)]
+            hits += [f"{ax.get_title()}: label {t.get_text()!r} of {other.get_title()}" for t in other.texts
+                     if t.get_visible() and box.overlaps(t.get_window_extent(renderer))]
     return hits
+
+
+def inside_figure(fig) -> bool:
+    """Every legend within the figure (nothing cut off when saved)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bounds = fig.bbox.padded(1)
+    return all(bounds.contains(*b.min) and bounds.contains(*b.max)
+               for b in (ax.get_legend().get_window_extent(renderer) for ax in fig.axes))
 
 
 # Every bar as tall as the tallest: there is no empty corner inside the axes,
@@ -199,5 +235,29 @@ def test_ablation_metric_chart_marks_a_missing_mean_not_a_zero_bar():
         missing = {1.0, round(2 + width, 3)}
         assert all(math.isnan(h) for x, h in heights.items() if x in missing)  # no bar drawn there
         assert all(h == 0.5 for x, h in heights.items() if x not in missing)
+    finally:
+        plt.close(fig)
+
+
+def test_pair_accuracy_chart_shows_zero_bars_and_n_per_bar():
+    # subset s1: m1 at 0.0 (an empty bar but for its mark), m2 at 1.0 (the top); s2: m2, the last bar, has no pairs
+    rows = [["s1", "m1", 12, 0.0], ["s1", "m2", 12, 1.0], ["s2", "m1", 7, 0.5], ["s2", "m2", 0, math.nan]]
+    fig = meta_eval_figure("pairs", rows, "pair accuracy")
+    try:
+        ax = fig.axes[0]
+        marks = sorted((round(t.get_position()[0], 2), round(t.get_position()[1], 2), t.get_text()) for t in ax.texts)
+        # width 0.4: m1 at i - 0.2, m2 at i + 0.2; each label from its bar's top (0 for no bar)
+        assert marks == [(-0.2, 0.0, "0  n=12"), (0.2, 1.0, "n=12"), (0.8, 0.5, "n=7"), (1.2, 0.0, "n/a  n=0")]
+        # the 0.0 bar also gets a short line at 0 in m1's colour, across its bar's width
+        m1 = next(p for p in ax.patches if isinstance(p, Rectangle)).get_facecolor()
+        zero = [line for line in ax.lines if list(line.get_ydata()) == [0, 0]]
+        assert len(zero) == 1 and np.allclose(zero[0].get_xdata(), [-0.4, 0.0])
+        assert zero[0].get_color() == m1 or np.allclose(matplotlib.colors.to_rgba(zero[0].get_color()), m1)
+        assert ax.get_ylim()[1] > 1.0  # the n over a bar of 1.0 stays inside the axes
+        renderer = fig.canvas.get_renderer()
+        inside = ax.get_window_extent(renderer).padded(1)  # every label, the n/a of the last bar too, within the axes
+        assert all(inside.contains(*t.get_window_extent(renderer).min) and inside.contains(*t.get_window_extent(
+            renderer).max) for t in ax.texts)
+        assert overlaps(fig) == [] and inside_figure(fig)
     finally:
         plt.close(fig)

@@ -2,7 +2,7 @@
 table as Markdown beside it (``TABLE.md``, with the notes: unscorable counts,
 failed metrics, data quirks) and a bar chart (``TABLE.png``): accuracy per
 subset (pairs), story-level Kendall τ-b per aspect (ratings) or mean Δ
-(original vs random), one bar per metric. Written atomically
+(original vs random), one bar per metric (pairs: with its n). Written atomically
 (:func:`storyrl.output_files.replace_file`)."""
 
 from __future__ import annotations
@@ -22,21 +22,26 @@ def report_paths(out: Path) -> dict[str, Path]:
     return {"csv": out, "markdown": out.with_suffix(".md"), "plot": out.with_suffix(".png")}
 
 
-def _series(kind: str, rows: Sequence[Sequence[Any]]) -> tuple[list[str], dict[str, list[float]], str]:
-    """Bar labels, one series per metric, and the y label."""
+def _series(kind: str, rows: Sequence[Sequence[Any]]) -> tuple[list[str], dict[str, list[float]], str,
+                                                                 dict[str, list[int]] | None]:
+    """Bar labels, one series per metric, the y label, and (pairs) the number
+    of pairs behind each bar."""
     if kind == "pairs":
         labels = list(dict.fromkeys(r[0] for r in rows))
-        values = {(r[0], r[1]): r[3] for r in rows}
+        values = {(r[0], r[1]): (r[3], r[2]) for r in rows}
         metrics = list(dict.fromkeys(r[1] for r in rows))
-        return labels, {m: [values.get((s, m), math.nan) for s in labels] for m in metrics}, "pair accuracy"
+        series = {m: [values.get((s, m), (math.nan, 0))[0] for s in labels] for m in metrics}
+        counts = {m: [values.get((s, m), (math.nan, 0))[1] for s in labels] for m in metrics}
+        return labels, series, "pair accuracy", counts
     if kind == "ratings":
         story = [r for r in rows if r[0] == "story"]
         labels = list(dict.fromkeys(r[2] for r in story))
         values = {(r[2], r[1]): r[4] for r in story}
         metrics = list(dict.fromkeys(r[1] for r in story))
-        return labels, {m: [values.get((a, m), math.nan) for a in labels] for m in metrics}, "story-level Kendall τ-b"
+        return (labels, {m: [values.get((a, m), math.nan) for a in labels] for m in metrics},
+                "story-level Kendall τ-b", None)
     labels = [r[0] for r in rows]
-    return labels, {"mean Δ (original − best random)": [r[4] for r in rows]}, "mean Δ"
+    return labels, {"mean Δ (original − best random)": [r[4] for r in rows]}, "mean Δ", None
 
 
 def figure(kind: str, rows: Sequence[Sequence[Any]], title: str):
@@ -46,14 +51,15 @@ def figure(kind: str, rows: Sequence[Sequence[Any]], title: str):
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    labels, series, ylabel = _series(kind, rows)
+    labels, series, ylabel, counts = _series(kind, rows)
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(labels) * max(1, len(series)) ** 0.5 + 2), 3.5))
-    grouped_bars(ax, labels, series)
+    grouped_bars(ax, labels, series, counts)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if kind == "pairs":
         ax.axhline(0.5, color="grey", linewidth=0.8, linestyle="--")  # chance
-        ax.set_ylim(0, 1)
+        ax.set_ylim(0, 1.2)  # room above a bar of 1.0 for its n
+        ax.set_yticks([0, 0.25, 0.5, 0.75, 1.0])
     fig.tight_layout()  # room for the legend right of the axes
     return fig
 

@@ -43,18 +43,31 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return tabulate(body, headers=list(headers), tablefmt="github", floatfmt=".4f", missingval="–")
 
 
-def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]]) -> None:
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]],
+                 counts: dict[str, Sequence[int]] | None = None) -> None:
     """One group of bars per label, one bar per series; a NaN (no value) is
-    marked "n/a" where its bar would be. The legend sits right of the axes,
-    where it cannot cover a bar (save with ``bbox_inches="tight"``)."""
+    marked "n/a" where its bar would be, and a 0 (a bar of no height) "0"
+    over a short line in its series' colour. ``counts``: per series, the n
+    of each bar, written over it. The legend sits right of the axes, where
+    it cannot cover a bar (save with ``bbox_inches="tight"``)."""
     width = 0.8 / max(len(series), 1)
     for k, (name, values) in enumerate(series.items()):
         xs = [i + (k - (len(series) - 1) / 2) * width for i in range(len(labels))]
-        ax.bar(xs, list(values), width, label=name)
-        for x, value in zip(xs, values):
-            if not (isinstance(value, (int, float)) and math.isfinite(value)):
-                ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="dimgrey")
+        color = ax.bar(xs, list(values), width, label=name).patches[0].get_facecolor() if xs else None
+        ns = (counts or {}).get(name)
+        for i, (x, value) in enumerate(zip(xs, values)):
+            finite = isinstance(value, (int, float)) and math.isfinite(value)
+            mark = "n/a" if not finite else "0" if value == 0 else ""
+            if mark == "0":
+                ax.plot([x - width / 2, x + width / 2], [0, 0], color=color, linewidth=3, solid_capstyle="butt",
+                        clip_on=False, zorder=3)
+            if ns is not None:
+                mark = f"{mark}  n={ns[i]}" if mark else f"n={ns[i]}"
+            if mark:  # over a positive bar's top, else from the axis up
+                ax.text(x, value if finite and value > 0 else 0, mark, rotation=90, ha="center", va="bottom",
+                        fontsize=6 if ns is not None else 7, color="dimgrey")
     ax.set_xticks(range(len(labels)), list(labels), fontsize=8)
+    ax.set_xlim(-0.5, len(labels) - 0.5)  # a NaN bar has no extent: its n/a mark would fall off the edge
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
 
 
