@@ -515,6 +515,9 @@ def test_a_legacy_checkpoint_schedule_is_read_only_as_plain_data(tmp_path):
     ({"grpo": {"learning_rate": "1e-3"}}, "grpo: key 'learning_rate': expected a number, got str"),
     ({"grpo": {"num_generations": 2.0}}, "grpo: key 'num_generations': expected"),
     ({"grpo": {"beta": float("nan")}}, "grpo: key 'beta': expected a number, got nan"),
+    ({"grpo": {"learning_rate": float("inf")}}, "grpo: key 'learning_rate': expected a finite number, got inf"),
+    ({"reward_weights": [1.0, float("-inf")]}, "reward_weights must be a finite number, got -inf"),
+    ({"seed": 2**70}, "seed must be in 0..2..32-1 .what numpy and torch seed with., got 1180591620717411303424"),
     ({"reward_weights": [float("nan")]}, "reward_weights: every weight must be a finite number"),
     ({"reward_weights": [0.0]}, "reward_weights: every weight is 0"),
     ({"ppo": {"learning_rate": 1e-3}}, "ppo: options for algorithm ppo, but the run's algorithm is grpo"),
@@ -716,11 +719,12 @@ def test_only_the_main_process_rewrites_the_logs_on_train_begin(tmp_path):
     (tmp_path / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (tmp_path / "samples.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     callback = HistoryCallback(tmp_path)
-    callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=False, log_history=[], global_step=0), None)
+    args = SimpleNamespace(output_dir=str(tmp_path))
+    callback.on_train_begin(args, SimpleNamespace(is_world_process_zero=False, log_history=[], global_step=0), None)
     assert (tmp_path / "history.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (tmp_path / "samples.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
-    callback.on_train_begin(None, SimpleNamespace(is_world_process_zero=True, log_history=[{"step": 1, "loss": 0.5}],
-                                                  global_step=1), None)
+    callback.on_train_begin(args, SimpleNamespace(is_world_process_zero=True, log_history=[{"step": 1, "loss": 0.5}],
+                                                  global_step=1, max_steps=2), None)
     assert read_jsonl(tmp_path / "history.jsonl") == [{"step": 1, "loss": 0.5}]
     assert read_jsonl(tmp_path / "samples.jsonl") == [{"step": 1}]
 
@@ -782,12 +786,16 @@ def test_latest_complete_checkpoint_by_hand(tmp_path):
     checkpoint(2)
     nine = checkpoint(9)
     checkpoint(10, state=False)  # killed before trainer_state.json
-    checkpoint(11, state_step=7)  # another run's state file
     (tmp_path / "checkpoint-12").mkdir()
     (tmp_path / "checkpoint-12" / "trainer_state.json").write_text('{"global_st')  # cut mid-write
     (tmp_path / "checkpoint-x").mkdir()
     assert latest_complete_checkpoint(tmp_path) == nine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-9", "checkpoint-x"]
+    # A complete state naming another step: not this run's checkpoint (planted, copied); refused, kept.
+    eleven = checkpoint(11, state_step=7)
+    with pytest.raises(ValueError, match=f"^{eleven}: its trainer state records step 7, its name step 11"):
+        latest_complete_checkpoint(tmp_path)
+    assert eleven.is_dir()
 
 
 def test_ppo_trainer_steps_and_weights(tmp_path):
