@@ -5,6 +5,7 @@ TRL's), to_dict/to_yaml, and the reward's config(), repr and attributes."""
 from __future__ import annotations
 
 import pickle
+import re
 from dataclasses import dataclass, make_dataclass
 
 import pytest
@@ -125,3 +126,135 @@ def test_errors_name_the_reward_when_built_from_options_and_the_config_class_oth
         GROOViSTConfig(units="x")
     with pytest.raises(ValueError, match="reward 'groovist': theta: unknown theta preset 'mars'"):
         create_reward("groovist", theta="mars")
+
+
+# -- numbers a run can use: finite, seeds numpy and torch take (issue 31, items 4 and 8) ------------------
+
+
+@dataclass
+class Numbers(Config):
+    rate: float = option(0.5, "A rate.", min=0.0)
+    free: float = option(1.0, "No bounds.")
+    weights: list[float] | None = option(None, "Weights.")
+    table: dict[str, float] = option(factory=dict, help="Named numbers.")
+    cap: float | None = option(None, "A cap; .inf = none.", allow_inf=True)
+    seed: int = option(0, "A seed.")
+    data_seed: int = option(0, "Another seed.")
+    count: int = option(0, "Not a seed: any integer.")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"free": float("inf")}, "free must be a finite number, got inf"),
+    ({"free": float("-inf")}, "free must be a finite number, got -inf"),
+    ({"rate": float("nan")}, "rate must be a number, got nan"),
+    ({"free": float("nan")}, "free must be a number, got nan"),  # no bounds: refused all the same
+    ({"weights": [1.0, float("inf")]}, "weights must be a finite number, got inf"),
+    ({"table": {"a": 1.0, "b": float("nan")}}, "table must be a number, got nan"),
+    ({"cap": float("nan")}, "cap must be a number, got nan"),  # allow_inf allows no NaN
+    ({"seed": 2**70}, "seed must be in 0..2**32-1 (what numpy and torch seed with), got 1180591620717411303424"),
+    ({"seed": -1}, "seed must be in 0..2**32-1"),
+    ({"data_seed": 2**32}, "data_seed must be in 0..2**32-1"),
+])
+def test_non_finite_numbers_and_unusable_seeds_are_refused_naming_the_option(options, message):
+    with pytest.raises(ValueError, match=f"^Numbers: {re.escape(message)}"):
+        Numbers(**options)
+
+
+def test_infinity_where_allowed_and_the_seed_bounds_are_what_numpy_and_torch_take():
+    import numpy as np
+    import torch
+
+    assert Numbers(cap=float("inf")).cap == float("inf")
+    assert Numbers(count=2**70).count == 2**70
+    top = Numbers(seed=2**32 - 1, data_seed=0)
+    np.random.seed(top.seed)
+    torch.manual_seed(top.seed)
+    with pytest.raises(ValueError):  # the reference: numpy's own bound, one past it
+        np.random.seed(2**32)
+    with pytest.raises(ValueError):
+        np.random.seed(-1)
+
+
+def test_every_trainer_refuses_a_non_finite_option_at_config_time(tmp_path):
+    """The issue's cases: --learning-rate inf (SFT), --beta inf (DPO),
+    epochs: .inf from a YAML file (the file and the key named), a TRL
+    section's learning_rate."""
+    import json
+
+    from storyrl.training.config import TrainConfig
+    from storyrl.training.dpo import DPORunConfig
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.sft import SFTRunConfig
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"story_id": "s", "story": "a story .", "images": ["x.png"]}) + "\n")
+    base = {"model": str(tmp_path), "policy": "causal_lm", "data": str(data), "output_dir": str(tmp_path / "o"),
+            "prompt": "P1"}
+    with pytest.raises(ValueError, match="SFTRunConfig: learning_rate must be a finite number, got inf"):
+        SFTRunConfig.from_mapping(base, learning_rate=float("inf"))
+    with pytest.raises(ValueError, match="DPORunConfig: beta must be a finite number, got inf"):
+        DPORunConfig.from_mapping({**base, "pairs": str(data)}, beta=float("inf"))
+    path = tmp_path / "sft.yaml"
+    path.write_text(f"model: {tmp_path}\npolicy: causal_lm\ndata: {data}\noutput_dir: {tmp_path / 'o'}\n"
+                    "prompt: P1\nepochs: .inf\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: SFTRunConfig: epochs must be a finite number"):
+        SFTRunConfig.from_yaml(path)
+    with pytest.raises(ValueError, match="TrainConfig: lr must be a number, got nan"):
+        TrainConfig(output_dir=str(tmp_path / "o"), lr=float("nan"))
+    with pytest.raises(ValueError, match="grpo: key 'learning_rate': expected a finite number, got inf"):
+        RLConfig.from_mapping({**base, "rewards": ["rouge_l"], "grpo": {"learning_rate": float("inf")}})
+
+
+@dataclass
+class Foreign:  # a foreign (not storyrl) config dataclass, as TRL's
+    lr: float = 1.0
+    limit: float = float("inf")
+
+
+@dataclass
+class Holder(Config):
+    foreign: Foreign = option(factory=Foreign, help="A foreign config.", cli=False)
+
+
+def test_a_foreign_dataclass_refuses_non_finite_numbers_unless_its_default_is_one():
+    with pytest.raises(ValueError, match="^Holder: option 'foreign': Foreign: lr must be a finite number, got inf"):
+        Holder.from_mapping({"foreign": {"lr": float("inf")}})
+    assert Holder.from_mapping({"foreign": {"limit": float("inf")}}).foreign.limit == float("inf")
+
+
+# -- YAML: a key given twice (issue 31, item 7) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,line,key", [
+    ("lr: 0.1\nepochs: 2\nlr: 0.5\n", 3, "'lr' (first at line 1)"),
+    ("lora:\n  r: 4\n  alpha: 8\n  r: 16\n", 4, "'r' (first at line 2)"),
+    ("rewards:\n- reward: bleu\n  n: 2\n  n: 4\n", 4, "'n' (first at line 3)"),
+    ("{a: 1, b: 2, a: 3}\n", 1, "'a' (first at line 1)"),
+    ("1: one\n1: uno\n", 2, "1 (first at line 1)"),
+])
+def test_a_mapping_with_a_duplicate_key_is_refused_naming_file_line_and_key(tmp_path, text, line, key):
+    from storyrl.config import ConfigFileError, load_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigFileError, match=f"^{re.escape(str(path))}: invalid YAML at line {line}: duplicate key "
+                                              f"{re.escape(key)}$"):
+        load_yaml(path)
+
+
+def test_merge_keys_may_be_overridden_and_equal_keys_in_different_mappings_are_fine(tmp_path):
+    from storyrl.config import load_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("base: &b {lr: 0.1, epochs: 2}\nrun:\n  <<: *b\n  lr: 0.5\nother:\n  lr: 0.3\n")
+    assert load_yaml(path) == {"base": {"lr": 0.1, "epochs": 2}, "run": {"lr": 0.5, "epochs": 2},
+                               "other": {"lr": 0.3}}
+
+
+def test_a_config_file_with_a_duplicate_key_is_a_one_line_error(tmp_path):
+    from storyrl.training.config import TrainConfig
+
+    path = tmp_path / "train.yaml"
+    path.write_text(f"output_dir: {tmp_path / 'o'}\nlr: 0.001\nbatch_size: 8\nlr: 0.1\n")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: invalid YAML at line 4: duplicate key 'lr'"):
+        TrainConfig.from_yaml(path)
