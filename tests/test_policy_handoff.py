@@ -100,24 +100,30 @@ def assets(tmp_path_factory):
 # -- the reference: peft by hand ------------------------------------------------------------
 
 
-def hand_policy(path: str, vlm: bool = False):
+def hand_policy(path: str, vlm: bool = False, auto_class=None, **kwargs):
     """The policy saved in ``path`` built by hand: full weights, or LoRA
     adapters added to their recorded base's weights as W + (alpha / r) B A,
-    read from the saved files, recursively (no peft involved)."""
+    read from the saved files, recursively (no peft involved); a module
+    saved whole beside the adapters (a reward model's score head) replaces
+    the base's."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto_class = auto_class or (AutoModelForImageTextToText if vlm else AutoModelForCausalLM)
     adapter = Path(path) / "adapter_config.json"
     if not adapter.is_file():
-        return (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path).eval()
+        return auto_class.from_pretrained(path, **kwargs).eval()
     meta = json.loads(adapter.read_text(encoding="utf-8"))
-    model = hand_policy(meta["base_model_name_or_path"], vlm)
+    model = hand_policy(meta["base_model_name_or_path"], vlm, auto_class, **kwargs)
     saved = load_file(str(Path(path) / "adapter_model.safetensors"))
     weights = dict(model.named_parameters())
     pairs = [key[:-len(".lora_A.weight")] for key in saved if key.endswith(".lora_A.weight")]
-    assert pairs and len(saved) == 2 * len(pairs)
+    whole = [key for key in saved if ".lora_" not in key]
+    assert pairs and len(saved) == 2 * len(pairs) + len(whole)
     with torch.no_grad():
+        for key in whole:
+            weights[key.removeprefix("base_model.model.")].copy_(saved[key])
         for prefix in pairs:
             name = prefix.removeprefix("base_model.model.") + ".weight"
             if name not in weights:  # VLMs: peft keys drop the "model." transformers adds to the language model
@@ -280,3 +286,43 @@ def test_an_adapter_chain_that_loops_or_names_no_base_is_one_line(tmp_path, asse
                                                             "peft_type": "LORA", "r": 4}))
     with pytest.raises(ValueError, match=f"{broken}: cannot load the adapters"):
         load_pretrained(AutoModelForCausalLM, str(broken))
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_sft_adapters_to_reward_model_and_its_reward(assets, merge):
+    """A reward model whose backbone is an SFT final/ of adapters trains on
+    the SFT policy's weights, and the ``reward_model`` reward scores with
+    what was trained (LoRA adapters over that chain, or merged)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from storyrl.rewards import create_reward
+    from storyrl.training.reward_model import RewardModelRunConfig, train
+
+    start = assets["sft_adapters"]
+    out = assets["root"] / f"rm_{merge}"
+    train(RewardModelRunConfig.from_mapping({
+        "model": start, "pairs": assets["pairs"], "output_dir": str(out), "max_steps": 1, "batch_size": 2,
+        "learning_rate": 5e-2, "seed": 0, "eval_fraction": 0.0, "max_length": 64, "include_prompt": False,
+        "lora": {**LORA, "merge": merge}}), progress=False)
+    final = out / "final"
+    if not merge:
+        assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == start
+    # By hand: the SFT policy's transformer (W + (alpha/r) BA) under the trained score head and adapters.
+    policy = hand_policy(start)
+    hand = hand_policy(str(final), auto_class=AutoModelForSequenceClassification, num_labels=1) if not merge \
+        else AutoModelForSequenceClassification.from_pretrained(final).eval()
+    if merge:  # the merged backbone is the SFT policy's plus the reward model's own adapters
+        assert any((dict(hand.named_parameters())[n] - p).abs().max() > 0
+                   for n, p in policy.named_parameters() if n.startswith("model.layers"))
+    else:
+        body = dict(hand.named_parameters())
+        delta = [(body[n] - p).abs().max() for n, p in policy.named_parameters() if n.startswith("model.layers")]
+        assert max(delta) > 0
+    story = TAPM_TEXTS[0]
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    ids = tokenizer(story + tokenizer.eos_token, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = hand(input_ids=ids).logits[0, 0].item()
+    reward = create_reward("reward_model", model=str(final), device="cpu", precision="fp32")
+    assert reward.score([story])[0] == pytest.approx(expected, abs=1e-4)

@@ -76,14 +76,20 @@ def load_pretrained(auto_class: Any, name: str, revision: str | None = None, **k
     adapters, root, recorded = _chain(str(name))
     if not adapters:
         return auto_class.from_pretrained(name, revision=revision, **kwargs)
-    from peft import PeftModel
+    from peft import PeftConfig, PeftModel
 
     model = auto_class.from_pretrained(root, revision=recorded, **kwargs)
     # peft freezes the base it wraps; the merged model trains as loaded.
     trainable = {pname for pname, param in model.named_parameters() if param.requires_grad}
     for directory in adapters:
         try:
-            model = PeftModel.from_pretrained(model, directory).merge_and_unload()
+            config = PeftConfig.from_pretrained(directory)
+            # Merged away at once, so the task's wrapper only gets in the way
+            # (a policy's CAUSAL_LM adapters under a reward model's backbone);
+            # SEQ_CLS keeps its own: it restores the score head saved whole.
+            if config.task_type != "SEQ_CLS":
+                config.task_type = None
+            model = PeftModel.from_pretrained(model, directory, config=config).merge_and_unload()
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ValueError(f"{directory}: cannot load the adapters on {model.name_or_path}: "
                              f"{' '.join(str(exc).split())}") from None

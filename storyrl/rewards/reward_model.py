@@ -142,15 +142,21 @@ def load_reward_model(directory: str | Path, device: Any = "cpu", dtype: Any = N
     transformers' default, which is the dtype the checkpoint was saved in)."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from storyrl.models.pretrained import adapter_base, is_adapter_dir, load_pretrained
+
     directory = Path(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     kwargs = {} if dtype is None else {"dtype": dtype}
-    if (directory / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForSequenceClassification
+    if is_adapter_dir(directory):
+        from peft import PeftModel
 
-        # peft keeps the adapters in fp32 over an fp16/bf16 base; autocast in
-        # score_texts runs the mix.
-        model = AutoPeftModelForSequenceClassification.from_pretrained(directory, num_labels=1, **kwargs)
+        # The base may be adapters too (a backbone that was an SFT final/):
+        # it loads merged. peft keeps these adapters in fp32 over an fp16/bf16
+        # base; autocast in score_texts runs the mix.
+        base, revision = adapter_base(directory)
+        backbone = load_pretrained(AutoModelForSequenceClassification, base, revision=revision, num_labels=1,
+                                   **kwargs)
+        model = PeftModel.from_pretrained(backbone, directory)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(directory, **kwargs)
     if tokenizer.pad_token is None:  # TRL trained with EOS as the padding token
