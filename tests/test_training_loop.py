@@ -476,3 +476,43 @@ def test_adamw_is_chosen_by_the_config():
     assert TrainConfig(output_dir="x").optimizer == "adam"  # RoViST's default stays
     with pytest.raises(ValueError, match="optimizer"):
         TrainConfig(output_dir="x", optimizer="sgd")
+
+
+# -- resume of a finished run; checkpoints that are not this run's (issue 31, items 5, 6, 8) -----------------
+
+
+def files_of(directory: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(directory)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_steps": 3}], ids=["epochs", "mid-epoch max_steps"])
+def test_a_finished_run_resumed_changes_no_file(tmp_path, extra):
+    cfg = config(tmp_path, epochs=2, **extra)
+    first = fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    before = files_of(Path(cfg.output_dir))
+    again = fit(make_model(seed=9), blobs(64, 1), blobs(16, 2), cfg, classify_step, resume=True, progress=False)
+    assert again.summary() == first.summary()
+    assert files_of(Path(cfg.output_dir)) == before
+
+
+def test_a_checkpoint_past_max_steps_is_refused(tmp_path):
+    cfg = config(tmp_path, epochs=2, max_steps=6)
+    fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    last = Path(cfg.output_dir) / "last"
+    with pytest.raises(ValueError, match=f"^{last}: at step 6, past this run's max_steps 5; resume with max_steps "
+                                         ">= 6"):
+        fit(make_model(), blobs(64, 1), blobs(16, 2), config(tmp_path, epochs=2, max_steps=5), classify_step,
+            resume=True, progress=False)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.bin", "random_states_0.pkl"])
+def test_an_unreadable_checkpoint_file_is_named(tmp_path, name):
+    cfg = config(tmp_path, epochs=1)
+    fit(make_model(), blobs(64, 1), blobs(16, 2), cfg, classify_step, progress=False)
+    path = Path(cfg.output_dir) / "last" / name
+    assert path.is_file()
+    path.write_bytes(b"\x80\x04junk" * 3)
+    with pytest.raises(ValueError, match=f"^{path}: "):
+        fit(make_model(), blobs(64, 1), blobs(16, 2), config(tmp_path, epochs=2), classify_step, resume=True,
+            progress=False)
