@@ -326,3 +326,22 @@ def test_sft_adapters_to_reward_model_and_its_reward(assets, merge):
         expected = hand(input_ids=ids).logits[0, 0].item()
     reward = create_reward("reward_model", model=str(final), device="cpu", precision="fp32")
     assert reward.score([story])[0] == pytest.approx(expected, abs=1e-4)
+
+
+def test_dpo_adapters_are_a_pairs_policy(assets, tmp_path):
+    """``storyrl pairs --policy`` samples from a chain of adapters (SFT ->
+    DPO, unmerged); it loads the policy with :func:`load_policy`, whose
+    equality with the saved policy the tests above check."""
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+
+    out = tmp_path / "pairs.jsonl"
+    result = CliRunner().invoke(main, ["pairs", "--policy", assets["dpo_adapters"], "--data", assets["data"],
+                                       "-m", "rouge_l", "-k", "2", "--max-new-tokens", "6", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    samples = [json.loads(line) for line in out.with_name(out.stem + ".samples.jsonl").read_text().splitlines()]
+    header, *rows = samples
+    assert header["options"]["k"] == 2
+    assert sorted(row["story_id"] for row in rows) == ["s0", "s1", "s2", "s3"]
+    assert all(len(row["samples"]) == 2 for row in rows)
