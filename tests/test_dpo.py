@@ -538,3 +538,32 @@ def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(asset
     assert len(trainer.train_dataset) == 3
     assert any(r.getMessage().endswith("some.jsonl: chosen equals rejected in 1 of 3 pairs (line 3); they teach "
                                        "nothing") for r in caplog.records)
+
+
+def test_a_vlms_pairs_whose_story_holds_the_image_token_are_left_out(assets, tmp_path, caplog):
+    """A sampled story may decode to text holding '<image>' (the tiny
+    VLM's vocabulary has '%}<image>'); the processor would read it as an
+    image and TRL stop with "Found 2 <image> tokens ... but no images"."""
+    import logging
+
+    from tiny_models import save_tiny_chat_vlm
+
+    from storyrl.training.dpo import build_trainer
+
+    vlm = save_tiny_chat_vlm(tmp_path / "vlm", TEXTS)
+    good = {"chosen": STORY_A, "rejected": STORY_B, "images": assets["images"], "story_id": "s0"}
+    held = {**good, "rejected": STORY_B + " %}<image> the", "story_id": "s1"}
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps(good) + "\n" + json.dumps(held) + "\n", encoding="utf-8")
+    extra = {"model": vlm, "sequence_image_size": "64x32", "pairs": str(pairs)}
+    with caplog.at_level(logging.WARNING):
+        trainer = build_trainer(config(assets, tmp_path / "a", **extra), progress=False)
+    assert len(trainer.train_dataset) == 1
+    assert any(r.getMessage().endswith("pairs.jsonl: 1 of 2 pairs have a story holding the image token '<image>', "
+                                       "which the VLM's processor reads as an image (line 2); they are left out")
+               for r in caplog.records)
+    assert batch_loss(trainer) == pytest.approx(math.log(2), abs=1e-6)
+    pairs.write_text(json.dumps(held) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"pairs.jsonl: every pair has a story holding the image token '<image>'.*"
+                                         r"\(line 1\); nothing to train on$"):
+        build_trainer(config(assets, tmp_path / "b", **extra), progress=False)

@@ -402,7 +402,8 @@ def test_policy_pairs_ties_nan_and_equal_best():
     # a: a2 and a3 tie for best -> a2 (earlier sample); a2~a3 tie; a4 within the margin; a1 kept.
     # b: b2 unscorable; b1, b3, b4 all tie.
     assert [(r["story_id"], r["chosen"], r["rejected"], r["margin"], r["prompt"], r["images"], r["source"])
-            for r in got] == [("a", "a2", "a1", 2.0, [{"role": "user", "content": "Tell."}], ["1.jpg", "2.jpg"],
+            for r in got] == [("a", "a2", "a1", 2.0, [{"role": "user", "content": "Tell."}],
+                               [str(Path.cwd() / "1.jpg"), str(Path.cwd() / "2.jpg")],  # absolute, as found
                                "policy P, fixed: sample 2 > sample 1")]
     assert dict(dropped) == {"unscorable_stories": 1, "records_with_fewer_than_2_scored_stories": 0,
                              "tied_pairs": 3, "pairs_at_or_below_min_margin": 1}
@@ -858,3 +859,44 @@ def test_stories_that_do_not_re_encode_are_counted(policy_assets, tmp_path):
     assert want > 0 and summary_of(result)["stories_not_round_tripping"] == want
     warnings = [line for line in result.output.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and f"{want} of 9 sampled stories" in warnings[0], result.output
+
+
+# -- issue 31: what storyrl pairs writes, the trainers read --------------------------------------------
+
+
+def test_an_empty_story_a_reward_scores_is_dropped_as_unscorable():
+    """rouge_l and others score an empty story (0); a policy may sample
+    one. A pair with an empty side is refused by DPO and the reward model,
+    so it is never written: the story counts as unscorable."""
+    def recs(**stories):
+        return [StoryRecord(story_id=k, story=v) for k, v in stories.items()]
+
+    reward = FixedReward({"x1": 2.0, "": 0.0, " ": 0.0, "x3": 1.0, "y1": 1.0})
+    sets = [("s1", recs(x="x1", y="y1")), ("s2", recs(x="", y=" ")), ("s3", recs(x="x3"))]
+    rows, dropped = metric_pairs(sets, reward)
+    assert [(r["story_id"], r["chosen"], r["rejected"]) for r in rows] == [("x", "x1", "x3")]
+    assert dropped["unscorable_stories"] == 2 and dropped["records_with_fewer_than_2_scored_stories"] == 1
+
+
+def test_relative_image_roots_give_absolute_image_paths(policy_assets, tmp_path, monkeypatch):
+    """The pairs file is read from elsewhere (DPO resolves a relative path
+    against its own image_root, its data's): paths found from a relative
+    --image-root are written absolute, for --vhed and --policy alike."""
+    from storyrl.judgements.pairs import read_preference_rows
+
+    vhed = write_vhed(tmp_path / "VHED.csv")
+    (tmp_path / "imgs").mkdir()
+    for name in "12345":
+        (tmp_path / "imgs" / f"{name}.jpg").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    result = run("pairs", "--vhed", "VHED.csv", "--image-root", "imgs", "-o", "p.jsonl")
+    assert result.exit_code == 0, result.output
+    assert lines(tmp_path / "p.jsonl")[0]["images"] == [str(tmp_path / "imgs" / f"{n}.jpg") for n in "123"]
+    data = write_jsonl(tmp_path / "ids.jsonl", [{"story_id": "s0", "story": HUMAN[0], "image_ids": ["1", "2", "3"]},
+                                                {"story_id": "s1", "story": HUMAN[1], "image_ids": ["3", "4"]}])
+    result = run("pairs", "--policy", policy_assets["chat"], "--data", data.name, "--image-root", "imgs",
+                 "-m", "test_pairs_overlap", "--max-new-tokens", 6, "-o", "q.jsonl")
+    assert result.exit_code == 0, result.output
+    rows = read_preference_rows(tmp_path / "q.jsonl")
+    assert rows and all(Path(i).is_absolute() and Path(i).parent == tmp_path / "imgs" for r in rows
+                        for i in r["images"])

@@ -21,8 +21,10 @@ Two routes need no policy sampling:
   pairs, not k(k-1)/2 pairs of ever smaller margins). A pair is kept when its
   margin (best score - other score) is above ``min_margin``; among equal best
   scores the story of the earlier set is the best. Dropped, with counted
-  reasons: unscorable stories (NaN), records with fewer than two scored
-  stories, ties (margin 0) and pairs at or below ``min_margin``.
+  reasons: unscorable stories (NaN, or empty: a policy may sample an empty
+  story, which some rewards score, and the trainers refuse), records with
+  fewer than two scored stories, ties (margin 0) and pairs at or below
+  ``min_margin``.
 
 * From a policy (:func:`sample_stories`, :func:`policy_pairs`): k stories
   sampled per image sequence from a policy, prompted exactly as ``storyrl
@@ -42,7 +44,10 @@ Two routes need no policy sampling:
   text sees other tokens than the policy made.
 
 Without a policy the prompt is one text for every pair (``prompt``); the
-images carry the sequence.
+images carry the sequence. Image paths this module finds (a policy's
+sequences, VHED's ids under ``image_root``) are written absolute: the file
+is read from other directories, by trainers whose own ``image_root`` is
+their data's, not the pairs'.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -97,7 +103,7 @@ def human_pair_rows(pairs: Sequence[PreferencePair], prompt: str = DEFAULT_PROMP
         images = p.images or ()
         if not images and p.image_ids and image_root is not None:
             try:
-                images = [str(x) for x in resolve_images(None, p.image_ids, image_root)]
+                images = _absolute(resolve_images(None, p.image_ids, image_root))
             except ValueError as exc:
                 raise ValueError(f"{p.source or p.story_id}: {exc}") from None
         rows.append(pair_row(prompt=prompt, chosen=p.better, rejected=p.worse, images=images, story_id=p.story_id,
@@ -138,7 +144,8 @@ def _ranked_pairs(
     for name, records in story_sets:
         for record, score in zip(records, _scores(reward, records, batch_size)):
             found = candidates.setdefault(record.story_id, [])
-            if math.isnan(score):
+            # An empty story is no preference to train on (the trainers refuse such a row), whatever its score.
+            if math.isnan(score) or not record.story.strip():
                 dropped[UNSCORABLE] += 1
             else:
                 found.append((name, record, score))
@@ -330,6 +337,15 @@ def sample_stories(policy: Any, rows: Sequence[dict], k: int, *, store: Any = No
     return {row["story_id"]: out[row["story_id"]] for row in rows}
 
 
+def _absolute(images: Sequence[Any] | None) -> list[Any] | None:
+    """Image paths made absolute: they were found from the current directory
+    (``--image-root``), and the pairs file is read from others (a trainer's
+    ``image_root`` is its ``data``'s, not the pairs')."""
+    if images is None:
+        return None
+    return [os.path.abspath(p) if isinstance(p, (str, os.PathLike)) else p for p in images]
+
+
 def policy_pairs(rows: Sequence[dict], samples: Mapping[str, Sequence[str]], reward: Any, *, source: str,
                  min_margin: float = 0.0, batch_size: int = 64) -> tuple[list[dict[str, Any]], Counter]:
     """Best-vs-each-worse pairs of each row's sampled stories (module
@@ -339,10 +355,11 @@ def policy_pairs(rows: Sequence[dict], samples: Mapping[str, Sequence[str]], rew
     scores the earlier sample is the best)."""
     k = max((len(s) for s in samples.values()), default=0)
     prompts = {row["story_id"]: row["prompt"] for row in rows}
+    images = {row["story_id"]: _absolute(row.get("story_images")) for row in rows}
     sets = []
     for j in range(k):
         records = [StoryRecord(story_id=row["story_id"], story=samples[row["story_id"]][j],
-                               images=row.get("story_images"), image_ids=row.get("image_ids"),
+                               images=images[row["story_id"]], image_ids=row.get("image_ids"),
                                reference=row.get("reference"))
                    for row in rows if len(samples[row["story_id"]]) > j]
         sets.append((f"sample {j + 1}", records))

@@ -37,12 +37,15 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   --model`` and a ``storyrl generate`` model.
 * Causal-LM and VLM policies (a VLM sees the pair's images as RL shows them:
   the sequence image, or each image with ``setting: separate``, made when
-  the pairs are read); TAPM is refused.
+  the pairs are read; a pair whose story holds the image token's text,
+  which the processor would read as an image, is left out with a warning);
+  TAPM is refused.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,9 +147,17 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
                          "template")
     prompter = _Prompter(config, kind, processing_class) if config.prompts == "template" else None
     end = turn_end(processing_class)
-    rows = []
-    for pair in read_preference_rows(config.pairs):
+    # A story holding the image token's text reads as an image placeholder to a VLM's processor (TRL then
+    # stops: "Found N <image> tokens ... but no images"); a sampled story can (its decoded text need not
+    # encode back to the sampled tokens, see storyrl pairs' stories_not_round_tripping).
+    image_token = getattr(processing_class, "image_token", None) if kind == "vlm" else None
+    rows, holding = [], []
+    pairs = read_preference_rows(config.pairs)
+    for pair in pairs:
         where = f"{config.pairs}: line {pair['_line']}"
+        if image_token and (image_token in pair["chosen"] or image_token in pair["rejected"]):
+            holding.append(pair["_line"])
+            continue
         if prompter is not None:
             if not pair["images"]:
                 raise ValueError(f"{where}: no images, so no template prompt (it needs the image count); give the "
@@ -166,6 +177,14 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
             except ValueError as exc:  # ImageError names the file
                 raise ValueError(f"{where}: {exc}") from None
         rows.append(row)
+    if holding:
+        shown = ", ".join(map(str, holding[:5])) + (", ..." if len(holding) > 5 else "")
+        if not rows:
+            raise ValueError(f"{config.pairs}: every pair has a story holding the image token {image_token!r}, which "
+                             "the VLM's processor reads as an image (line " + shown + "); nothing to train on")
+        logging.getLogger(__name__).warning("%s: %d of %d pairs have a story holding the image token %r, which the "
+                                            "VLM's processor reads as an image (line %s); they are left out",
+                                            config.pairs, len(holding), len(pairs), image_token, shown)
     return Dataset.from_list(rows)
 
 
