@@ -278,3 +278,26 @@ def test_dpo_with_no_example_left_after_max_length_names_it(assets, tmp_path):
     config, train = storyteller("dpo", assets, tmp_path / "run", max_length=1)
     with pytest.raises(ValueError, match="^max_length 1: no training example is left"):
         train(config, progress=False)
+
+
+def test_a_resumed_reward_model_never_trains_past_max_steps(assets, tmp_path):
+    """The reward model trains through transformers' Trainer too (its own
+    train(), not train_to_final): the guard every storyrl TRL trainer
+    carries (HistoryCallback is a RunGuard) stops the extra step. Until
+    reward_model.train goes through run_training, the resume says so in one
+    line; either way no step past max_steps is trained or saved."""
+    from storyrl.training.reward_model import RewardModelRunConfig, train
+
+    config = RewardModelRunConfig.from_mapping({
+        "model": assets["model"], "pairs": assets["pairs"], "output_dir": str(tmp_path / "run"), "max_steps": 1,
+        "batch_size": 1, "logging_steps": 1, "save_steps": 1, "eval_fraction": 0.0, "seed": 0})
+    assert train(config, progress=False).steps == 1
+    try:
+        again = train(config, resume=True, progress=False)
+    except ValueError as exc:
+        assert str(exc).endswith("already at the run's max_steps 1; nothing left to train"), exc
+    else:
+        assert again.steps == 1
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
+    assert [e["step"] for e in map(json.loads, (tmp_path / "run" / "history.jsonl").read_text().splitlines())
+            if "loss" in e] == [1]
