@@ -708,3 +708,31 @@ def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(asset
     assert len(trainer.train_dataset) == 8
     (warning,) = [r.getMessage() for r in caplog.records if "chosen equals rejected" in r.getMessage()]
     assert warning.endswith("some.jsonl: chosen equals rejected in 2 of 8 pairs (line 1, 2); they teach nothing")
+
+
+def test_a_lora_adapter_directory_is_a_backbone_merged_into_its_base(assets, tmp_path):
+    """``model: runs/sft/final`` of an SFT run with lora.merge false: the
+    backbone is the base with the adapters merged (plain weights the
+    reward model's own LoRA trains on), not transformers' frozen peft
+    attachment."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from storyrl.training.reward_model import load_backbone, train
+
+    base = AutoModelForCausalLM.from_pretrained(assets["model"])
+    peft_model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))
+    adapters = tmp_path / "sft_final"
+    peft_model.save_pretrained(adapters)
+    AutoTokenizer.from_pretrained(assets["model"]).save_pretrained(adapters)
+    layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        merged_q = layer.base_layer.weight + (layer.lora_B["default"].weight @ layer.lora_A["default"].weight) * 2.0
+    model, _ = load_backbone(config_of(assets, tmp_path / "o", model=str(adapters)))
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    torch.testing.assert_close(model.model.layers[0].self_attn.q_proj.weight, merged_q)
+    result = train(config_of(assets, tmp_path / "out", model=str(adapters), lora={"enabled": True, "r": 4,
+                                                                                   "alpha": 8, "merge": True}),
+                   progress=False)
+    assert result.steps == 1 and (Path(result.final_dir) / "model.safetensors").is_file()
