@@ -2,27 +2,31 @@
 preference pairs, reward model, DPO, RL), run through the CLI with the
 SHIPPED configs, each command's output the next one's input.
 
-Every command runs in a scratch directory laid out as the configs expect
-(``data/vist/...`` placeholders made real with a tiny VIST SIS slice), with
-the shipped files of ``configs/training/`` and ``configs/rl/`` loaded and
-only these keys changed (:data:`CHANGED`, checked for each file):
+The path runs twice, each in a scratch directory laid out as the configs
+expect (``data/vist/...`` placeholders made real with a tiny VIST SIS
+slice): with the chat VLM sft.yaml ships (a tiny random LLaVA-NeXT) and
+with a causal LM (sft.yaml's documented alternative, ``setting: text``;
+configs/rl/grpo_llama2_lora.yaml trains that one). The shipped files of
+``configs/training/`` and ``configs/rl/`` are loaded with only these keys
+changed (:data:`CHANGED`, checked for each file):
 
-* the models: a tiny random LLaVA-NeXT (``tests/tiny_models.py``) for the
-  storyteller (sft.yaml's llava-v1.6), a tiny LLaMA for the reward model's
+* the models: the tiny storytellers, a tiny LLaMA for the reward model's
   text backbone; the pairs file the previous command wrote;
 * sizes: one optimizer step, batches of 2, short stories, a small sequence
   image;
+* what this machine lacks: 4-bit loading (CUDA) and tensorboard (not a
+  storyrl dependency; test_the_shipped_trackers_are_installed marks it);
 * ``rewards`` of the RL configs: theirs (configs/rewards/dhm.yaml,
   weighted.yaml) need GROOViST's spaCy pipeline, CLIP weights and a trained
-  RoViST-C model, none of which exist offline. They get the reward model of
-  the path's third command (as README's Reward model section documents it:
-  ``{reward: reward_model, model: runs/reward_model/final}``) and d_HM along
-  repetition (dhm.yaml with ``dimensions: [repetition]``);
-* the devices' settings: none so far.
+  RoViST-C model, none of which exist offline. They get the reward model
+  the path trained (as README's Reward model section documents it:
+  ``{reward: reward_model, model: runs/reward_model/final}``); and the
+  pairs are ranked by rouge_l, not dhm, for the same reason.
 
 Everything else is as shipped, ``include_prompt: true`` included: the pairs
-of a chat VLM carry conversations, which the reward model trained on and
-scores with (issue 31: ``unhashable type: 'list'``).
+of chat models carry conversations, which the reward model trains on and
+scores with (issue 31: ``TypeError: unhashable type: 'list'``).
+configs/rl/ppo_tapm.yaml is not on this path (:data:`NOT_ON_THE_PATH`).
 """
 
 from __future__ import annotations

@@ -884,7 +884,7 @@ def test_relative_image_roots_give_absolute_image_paths(policy_assets, tmp_path,
     --image-root are written absolute, for --vhed and --policy alike."""
     from storyrl.judgements.pairs import read_preference_rows
 
-    vhed = write_vhed(tmp_path / "VHED.csv")
+    write_vhed(tmp_path / "VHED.csv")
     (tmp_path / "imgs").mkdir()
     for name in "12345":
         (tmp_path / "imgs" / f"{name}.jpg").write_bytes(b"x")
