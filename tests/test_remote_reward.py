@@ -3,12 +3,15 @@ loopback interface, its scores equal the served reward's local scores
 (batched, chunked, with context and components); a fake misbehaving server
 shows retries, backoff, timeouts, refused requests, malformed answers,
 bounded concurrency and a server that stays down. Waits between retries go
-through the reward's ``sleep`` hook, so nothing sleeps for long."""
+through the reward's ``sleep`` hook, so nothing sleeps for long; every wait
+on an answer is bounded (``WAIT_S``), so a server or batcher that waits far
+too long fails a test instead of holding it."""
 
 from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import math
 import pickle
 import socket
@@ -22,7 +25,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from storyrl.integrations.server import create_app, run_in_thread
@@ -40,6 +43,9 @@ STORIES = [
     "Grandma turned ninety. The family came. She blew out the candles.",
     "",
 ]
+#: The longest a test waits for one answer: far above a normal answer here (milliseconds), far
+#: below what a server batcher reading its max_wait_ms (10 ms) as seconds would take.
+WAIT_S = 5.0
 REFERENCES = ["The dog ran to the park. It was fun.", "We went to the sea. It was hot.", "x", "A cat sat down.",
               "y", "Grandma was ninety. We all came.", "z"]
 
@@ -50,7 +56,8 @@ def same(a, b):
 
 @pytest.fixture(scope="module")
 def served():
-    """storyrl serve with repetition, and with a weighted repetition + BLEU (context and components)."""
+    """storyrl serve with repetition, and with a weighted repetition + BLEU (context and components).
+    Tests give its rewards retries=0: an answer slower than WAIT_S fails at once."""
     weighted = {"reward": "weighted", "components": [{"reward": "repetition", "weight": 1.0},
                                                      {"reward": "bleu", "weight": 0.5}]}
     with run_in_thread(create_app(create_reward("repetition"))) as rep_url, \
@@ -70,8 +77,11 @@ class Fake:
         self.handler, self.bodies, self.headers = handler, [], []
         self.in_flight = self.max_in_flight = 0
         self.health_status = 200
+        self.health_answer = None  # a function giving GET /health's response, when set
 
     async def health(self, request):
+        if self.health_answer is not None:
+            return self.health_answer()
         return JSONResponse({"status": "ok" if self.health_status == 200 else "no"}, status_code=self.health_status)
 
     async def get_reward(self, request):
@@ -110,7 +120,9 @@ def fake(fake_server):
 
 
 def remote(url, **options):
-    """A remote reward whose retry waits are recorded, not slept."""
+    """A remote reward whose retry waits are recorded, not slept; each
+    request is bounded by WAIT_S unless the test sets timeout_s."""
+    options.setdefault("timeout_s", WAIT_S)
     reward = create_reward("remote", url=url, **options)
     reward.waits = []
 
@@ -132,7 +144,7 @@ def dead_url():
 
 @pytest.mark.parametrize("chunk_size", [64, 2, 1])
 def test_scores_equal_the_local_reward_batched_and_chunked(served, chunk_size):
-    reward = remote(served["repetition"], chunk_size=chunk_size, max_concurrency=2)
+    reward = remote(served["repetition"], chunk_size=chunk_size, max_concurrency=2, retries=0)
     local = create_reward("repetition").score(STORIES)
     assert np.isnan(local).sum() == 3  # one sentence, None, "": unscorable, not the server's fallback 0.0
     same(reward.score(STORIES), local)
@@ -146,7 +158,7 @@ def test_context_and_components_equal_the_local_trl_call(served):
     """Per-story context (the human story) reaches the server; its extra_logs
     come back as the reward's log_extra columns, equal to the local ones."""
     local = build_reward(served["weighted_spec"])
-    reward = remote(served["weighted"], chunk_size=3)
+    reward = remote(served["weighted"], chunk_size=3, retries=0)
     prompts = [[{"role": "user", "content": f"Tell story {k}."}] for k in range(len(STORIES))]
     completions = [[{"role": "assistant", "content": s}] if s is not None else None for s in STORIES]
     logged = {"local": ({}, {}), "remote": ({}, {})}
@@ -175,7 +187,7 @@ def test_context_and_components_equal_the_local_trl_call(served):
 
 
 def test_score_async_contract(served):
-    reward = remote(served["weighted"])
+    reward = remote(served["weighted"], retries=0)
     contexts = [{"reference": r} for r in REFERENCES]
     scores, components = asyncio.run(reward.score_async(STORIES, contexts, ["p"] * len(STORIES)))
     local = build_reward(served["weighted_spec"])
@@ -189,7 +201,7 @@ def test_score_async_contract(served):
 
 def test_sync_score_works_inside_a_running_event_loop(served):
     """TRL's reward loop or verl's async manager may call the sync path."""
-    reward = remote(served["repetition"])
+    reward = remote(served["repetition"], retries=0)
 
     async def inside():
         return reward.score(STORIES)
@@ -205,7 +217,8 @@ def test_remote_from_yaml_as_a_weighted_component_and_in_storyrl_score(served, t
     from storyrl.cli import main
 
     config = tmp_path / "remote.yaml"
-    config.write_text(f"reward: remote\nurl: {served['repetition']}/get_reward\nchunk_size: 2\n")
+    config.write_text(f"reward: remote\nurl: {served['repetition']}/get_reward\nchunk_size: 2\n"
+                      f"timeout_s: {WAIT_S}\nretries: 0\n")
     reward = load_reward_config(config)
     assert reward.endpoint == f"{served['repetition']}/get_reward" and reward.chunk_size == 2
     local = create_reward("repetition")
@@ -242,7 +255,7 @@ def test_options_are_validated_never_coerced():
 
 
 def test_pickles_before_and_after_use(served):
-    reward = remote(served["repetition"], label="rep_remote", chunk_size=2)
+    reward = remote(served["repetition"], label="rep_remote", chunk_size=2, retries=0)
     fresh = pickle.loads(pickle.dumps(reward))
     first = reward.score(STORIES)
     used = pickle.loads(pickle.dumps(reward))
@@ -253,7 +266,7 @@ def test_pickles_before_and_after_use(served):
 
 
 def test_setup_checks_the_server(served):
-    assert remote(served["repetition"]).setup() is not None
+    assert remote(served["repetition"], retries=0).setup() is not None
     with pytest.raises(RewardError, match="no reward server answers at .*/health"):
         remote(dead_url(), retries=0).setup()
 
@@ -293,14 +306,31 @@ def test_retry_after_is_honoured(fake, status):
         return Response(status_code=status, headers={"Retry-After": "7"}) if attempt == 1 else words(body)
 
     fake.reset(handler)
-    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=1.0)
+    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=10.0)
     same(reward.score(["a b"]), [0.2])
-    assert reward.waits == [7.0]
+    assert reward.waits == [7.0]  # longer than the backoff, within max_backoff_s
+
+
+@pytest.mark.parametrize("value, wait", [
+    ("7", 3.0), ("1e9", 3.0), ("inf", 3.0), ("Infinity", 3.0), ("1e400", 3.0), ("9" * 5000, 3.0),
+    ("Fri, 01 Jan 2099 00:00:00 GMT", 3.0), ("Sat, 01 Jan 9999 23:59:59 GMT", 3.0),
+    ("nan", 0.5), ("-5", 0.0), ("soon", 0.5), ("Mon, 99 Foo 2099 00:00:00 GMT", 0.5),
+])
+def test_retry_after_is_capped_at_max_backoff_s(fake, value, wait):
+    """A server asking for hours, for ever or a date in 2099 gets
+    max_backoff_s; a header that is no wait (nan, garbage) the backoff."""
+    async def handler(body, attempt):
+        return Response(status_code=503, headers={"Retry-After": value}) if attempt == 1 else words(body)
+
+    fake.reset(handler)
+    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=3.0)
+    same(reward.score(["a b"]), [0.2])
+    assert reward.waits == [wait]
 
 
 def test_retry_after_as_an_http_date(fake):
-    """An HTTP date ahead is a wait of that many seconds (not capped by
-    max_backoff_s: Retry-After wins); one in the past, none."""
+    """An HTTP date ahead is a wait of that many seconds (within
+    max_backoff_s); one in the past, none."""
     ahead = 20
 
     async def handler(body, attempt):
@@ -310,7 +340,7 @@ def test_retry_after_as_an_http_date(fake):
         return Response(status_code=503, headers={"Retry-After": email.utils.format_datetime(when, usegmt=True)})
 
     fake.reset(handler)
-    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=1.0)
+    reward = remote(fake.url, backoff_s=0.5, max_backoff_s=30.0)
     same(reward.score(["a b"]), [0.2])
     (wait, past) = reward.waits
     assert ahead - 2 < wait <= ahead and past == 0.0  # the date has whole seconds
@@ -368,6 +398,128 @@ def test_timeout_gives_nan_and_is_counted(fake):
     reward = remote(fake.url, timeout_s=0.2, retries=1)
     same(reward.score(["a b", "c"]), [np.nan, np.nan])
     assert reward.stats["reasons"]["timeout"] == 2 and len(fake.bodies) == 2
+
+
+def _drip(body: bytes, every_s: float, most_s: float = 60.0):
+    """An answer trickled one byte every ``every_s`` seconds after a run of
+    spaces (JSON allows them) lasting ``most_s``: each byte comes well within
+    any per-read timeout."""
+    async def chunks():
+        for _ in range(int(most_s / every_s)):
+            yield b" "
+            await asyncio.sleep(every_s)
+        yield body
+
+    return StreamingResponse(chunks(), media_type="application/json")
+
+
+def test_a_trickled_answer_is_cut_at_timeout_s_and_the_server_counts_as_down(fake):
+    """timeout_s bounds a request in all: a server trickling its answer (a
+    byte every 0.1 s, for a minute) fails each request at timeout_s, so
+    max_consecutive_failures stops the run within seconds."""
+    async def handler(body, attempt):
+        return _drip(json.dumps({"rewards": [0.9] * len(body["query"])}).encode(), every_s=0.1)
+
+    fake.reset(handler)
+    reward = remote(fake.url, timeout_s=0.5, retries=1, max_consecutive_failures=2)
+
+    async def two_calls():
+        scores, _ = await reward.score_async(["a b", "c"])
+        with pytest.raises(RemoteRewardUnavailable, match="timeout.*within 0.5 s"):
+            await reward.score_async(["a b"])
+        return scores
+
+    same(asyncio.run(asyncio.wait_for(two_calls(), 2 * WAIT_S)), [np.nan, np.nan])  # about 2 s (4 x 0.5 s)
+    assert reward.stats["reasons"] == {"timeout": 3} and reward.http_stats["requests"] == 4
+
+
+def test_a_trickled_health_answer_fails_setup_at_timeout_s(fake):
+    fake.reset(None)
+    fake.health_answer = lambda: _drip(b'{"status": "ok"}', every_s=0.1)
+    reward = remote(fake.url, timeout_s=0.5, retries=0)
+    raised = []
+
+    def setup():
+        try:
+            reward.setup()
+        except RewardError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=setup, daemon=True)  # a hanging setup fails the test, not the suite
+    thread.start()
+    thread.join(2 * WAIT_S)
+    assert not thread.is_alive(), "setup still waits for the trickled answer"
+    assert len(raised) == 1 and "timeout" in str(raised[0])
+
+
+BIG = "1" + "0" * 400  # over a float's range: float() raises OverflowError
+DEEP = "[" * 100_000 + "]" * 100_000  # over the JSON parser's recursion limit
+
+
+@pytest.mark.parametrize("status, text, reason", [
+    (200, f'{{"rewards": [{BIG}, 0.5]}}', "malformed answer"),
+    (200, f'{{"scores": [0.5, -{BIG}]}}', "malformed answer"),
+    (200, f'{{"rewards": [0.5, 0.5], "extra_logs": {{"unscorable": [{BIG}, 0]}}}}', "malformed answer"),
+    (200, f'{{"rewards": [0.5, {"9" * 5000}]}}', "malformed answer"),  # over Python's 4300-digit limit
+    (200, DEEP, "malformed answer"),
+    (200, f'{{"rewards": [0.5, 0.5], "extra_logs": {DEEP}}}', "malformed answer"),
+    (302, '{"rewards": [0.9, 0.9]}', "HTTP 302"),
+    (307, '{"rewards": [0.9, 0.9]}', "HTTP 307"),
+    (202, '{"rewards": [0.9, 0.9]}', "HTTP 202"),
+    (203, '{"rewards": [0.9, 0.9]}', "HTTP 203"),
+    (204, "", "HTTP 204"),
+])
+def test_every_malformed_or_non_200_answer_gives_nan_counted(fake, status, text, reason):
+    """Only a 200 answer is a reward answer, and no answer crashes the
+    client: numbers too large for a float, JSON nested too deep to parse, a
+    redirect (not followed, even to a working endpoint) or an Accepted are
+    NaN with the reason counted, never a reward, never an exception."""
+    async def handler(body, attempt):
+        headers = {"Location": f"{fake.url}/get_reward"} if 300 <= status < 400 else {}
+        return Response(text if status != 204 else None, status_code=status, headers=headers,
+                        media_type="application/json")
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=2)
+    same(reward.score(["a b", "c"]), [np.nan, np.nan])
+    assert reward.stats["reasons"] == {reason: 2} and len(fake.bodies) == 1  # not retried, not followed
+    assert asyncio.run(reward(prompts=None, completions=["a b", "c"])) == [None, None]
+
+
+def test_a_component_too_large_for_a_float_is_left_out_not_a_crash(fake):
+    async def handler(body, attempt):
+        return Response(f'{{"rewards": [0.5, 0.25], "extra_logs": {{"part": [{BIG}, 1], "ok": [1, 2]}}}}',
+                        media_type="application/json")
+
+    fake.reset(handler)
+    reward = remote(fake.url)
+    same(reward.score(["a b", "c"]), [0.5, 0.25])
+    assert set(reward.last_components) == {"ok"}
+
+
+@pytest.mark.parametrize("status", [500, 400])
+def test_an_error_answer_nested_too_deep_is_named_by_its_status(fake, status):
+    """The detail of a 5xx or 4xx answer is read safely too."""
+    async def handler(body, attempt):
+        return Response(DEEP, status_code=status, media_type="application/json")
+
+    fake.reset(handler)
+    reward = remote(fake.url, retries=0)
+    if status == 500:
+        same(reward.score(["a b"]), [np.nan])
+        assert reward.stats["reasons"] == {"HTTP 500": 1}
+    else:
+        with pytest.raises(RemoteRewardError, match="HTTP 400"):
+            reward.score(["a b"])
+
+
+def test_setup_fails_for_a_redirect(fake):
+    """A URL that redirects (say http to https, or a login page) is a wrong
+    url: setup names the redirect instead of taking it for a server."""
+    fake.reset(None)
+    fake.health_answer = lambda: Response(status_code=302, headers={"Location": "https://elsewhere/login"})
+    with pytest.raises(RewardError, match="HTTP 302.*https://elsewhere/login.*not followed"):
+        remote(fake.url, retries=0).setup()
 
 
 @pytest.mark.parametrize("answer, reason", [
@@ -575,7 +727,7 @@ def test_concurrent_calls_share_the_bound(fake):
 
 
 def test_calls_from_several_threads(served):
-    reward = remote(served["repetition"], chunk_size=1)
+    reward = remote(served["repetition"], chunk_size=1, retries=0)
     local = create_reward("repetition").score(STORIES)
     out = [None] * 4
 
@@ -586,7 +738,8 @@ def test_calls_from_several_threads(served):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(4 * WAIT_S)
+        assert not t.is_alive()
     for scores in out:
         same(scores, local)
 
@@ -619,7 +772,7 @@ def test_send_context_and_image_root_shape_the_labels(fake, tmp_path):
 def test_prompts_travel_with_the_story_and_are_cut_off_by_the_server(served):
     """A prompt that also occurs inside the story does not cut the story short."""
     story = "Tell me a story. The dog ran. The dog ran to the lake. Tell me a story."
-    reward = remote(served["repetition"])
+    reward = remote(served["repetition"], retries=0)
     got = asyncio.run(reward(prompts=["Tell me a story."], completions=[story]))
     assert got == [create_reward("repetition").score([story])[0]]
 
@@ -651,7 +804,7 @@ def test_a_story_too_long_for_the_server_costs_its_own_reward_only():
     stories = [STORIES[0], "A long story. " * 10, STORIES[1]]
     local = create_reward("repetition").score(stories)
     with run_in_thread(create_app(create_reward("repetition"), limits=Limits(max_story_chars=100))) as url:
-        reward = remote(url, max_story_chars=100)
+        reward = remote(url, max_story_chars=100, retries=0)
         got = reward.score(stories)
         assert np.isnan(got[1]) and got[[0, 2]] == pytest.approx(local[[0, 2]])
         assert reward.stats["reasons"]["longer than max_story_chars"] == 1

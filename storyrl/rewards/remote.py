@@ -26,16 +26,25 @@ score``). The client speaks the server's protocol (POST ``/get_reward`` with
 
 Failures. A 5xx or 429 answer, a timeout or a refused connection is retried
 ``retries`` times, after ``backoff_s`` doubling up to ``max_backoff_s`` (a
-429/503 ``Retry-After``, seconds or an HTTP date, wins). A request that still
-fails, or whose answer is malformed (a reward that is not a finite number,
-JSON's NaN and Infinity included: the whole answer is distrusted) or of the
-wrong length, is a *transport failure*: its stories are
-NaN with the reason in ``stats["reasons"]`` (each kind logged once), never a
-reward. When every request of ``max_consecutive_failures`` calls in a row
-failed, or every call failed for ``down_after_s`` seconds, the call raises
-:class:`RemoteRewardUnavailable` (the run stops with its message). Any other
-4xx (a rejected token, a request the server refuses) raises
-:class:`RemoteRewardError` at once with the server's detail.
+429/503 ``Retry-After``, seconds or an HTTP date, replaces that wait but is
+capped at ``max_backoff_s`` too: a server asking for hours or for ever must
+not stall the run). ``timeout_s`` bounds each attempt in total, from
+connecting to the answer's last byte, so a server trickling its answer
+cannot hold a call open. Only a 200 answer is a reward answer: another 2xx,
+or a redirect (3xx, never followed: a redirected URL is a wrong ``url``), is
+a failure named by its status. A request that still fails, or whose answer
+is malformed (not JSON, nested too deep to parse, a reward that is not a
+finite number -- JSON's NaN and Infinity, an integer too large for a float
+-- or of the wrong length: the whole answer is distrusted), is a *transport
+failure*: its stories are NaN with the reason in ``stats["reasons"]`` (each
+kind logged once), never a reward. When every request of
+``max_consecutive_failures`` calls in a row failed, or every call failed for
+``down_after_s`` seconds, the call raises :class:`RemoteRewardUnavailable`
+(the run stops with its message). Any other 4xx (a rejected token, a
+request the server refuses) raises :class:`RemoteRewardError` at once with
+the server's detail; a redirect or other non-200 answer is not retried
+either (NaN, counted), so a wrong ``url`` fails ``setup()`` or, after
+``max_consecutive_failures`` calls, the run.
 
 httpx comes with ``pip install 'storyrl[remote]'`` and is imported on first use.
 """
@@ -99,11 +108,13 @@ class RemoteConfig(RewardConfig):
     url: str = option(help="The reward server: its base URL (http://host:port) or its full /get_reward URL.")
     label: str | None = option(None, "Name the reward is logged under (TRL's column; default: remote); give two "
                                "remote rewards different labels.")
-    timeout_s: float = option(60.0, "Seconds to wait for the server (connecting, sending, each answer).", min=1e-3)
+    timeout_s: float = option(60.0, "Seconds one request may take in all, from connecting to the answer's last "
+                              "byte (each retry gets its own).", min=1e-3)
     retries: int = option(3, "Retries of a request after a 5xx/429 answer, a timeout or a refused connection.",
                           min=0)
     backoff_s: float = option(0.5, "Wait before the first retry; doubles with each retry.", min=0.0)
-    max_backoff_s: float = option(30.0, "Longest wait between retries (a Retry-After header wins).", min=0.0)
+    max_backoff_s: float = option(30.0, "Longest wait between retries, a server's Retry-After included.",
+                                  min=0.0)
     max_concurrency: int = option(4, "Requests in flight at once, per reward object.", min=1)
     chunk_size: int = option(64, "Stories per request; a larger batch becomes concurrent requests.", min=1)
     max_story_chars: int | None = option(
@@ -401,12 +412,12 @@ class RemoteReward(Reward):
                 with self._lock:
                     self.http_stats["requests"] += 1
                 if semaphore is None:
-                    response = await client.request(method, url, json=body, headers=headers)
+                    response = await self._request(client, method, url, body, headers)
                 else:
-                    async with semaphore:
-                        response = await client.request(method, url, json=body, headers=headers)
-            except httpx.TimeoutException:
-                failure = _Failure("timeout", f"no answer from {url} within {self.timeout_s:g} s")
+                    async with semaphore:  # the deadline starts once the request may go
+                        response = await self._request(client, method, url, body, headers)
+            except (httpx.TimeoutException, asyncio.TimeoutError):
+                failure = _Failure("timeout", f"no complete answer from {url} within {self.timeout_s:g} s")
                 continue
             except httpx.TransportError as exc:
                 failure = _Failure("connection error", f"{url}: {type(exc).__name__}: {one_line(exc)}")
@@ -416,25 +427,36 @@ class RemoteReward(Reward):
                 failure = _Failure(f"HTTP {status}", f"{url}: {_detail(response)}")
                 wait = _retry_after(response) if status in (429, 503) else None
                 if wait is not None:
-                    delay = wait
+                    delay = min(wait, self.max_backoff_s)
                 continue
             if body is None and status in (404, 405):
                 return {}  # a server without /health (not storyrl serve) that answers
+            if 300 <= status < 400:
+                where = response.headers.get("location")
+                return _Failure(f"HTTP {status}", f"{url} redirects{f' to {where[:200]}' if where else ''}; "
+                                "redirects are not followed: set url to the reward server itself")
             if status >= 400:
                 hint = {401: f"; check token or ${TOKEN_ENV}", 403: f"; check token or ${TOKEN_ENV}",
                         422: "; the remote reward's send_context and image_root options choose what is sent"}
                 hint = hint.get(status, "")
                 raise RemoteRewardError(f"reward {self.__name__!r}: the server at {url} refused the request "
                                         f"(HTTP {status}): {_detail(response)}{hint}")
-            if body is None:  # the health check reads no answer
+            if body is None:  # the health check reads no answer: any 2xx is a server that answers
                 return {}
-            try:
-                return response.json()
-            except ValueError as exc:
-                return _Failure("malformed answer", f"{url}: not JSON ({one_line(exc)[:200]})")
+            if status != 200:  # 202 Accepted, 204...: the server did not score the stories
+                return _Failure(f"HTTP {status}", f"{url} answered HTTP {status}, not a reward answer (200)")
+            answer = _json(response)
+            if isinstance(answer, _Failure):
+                answer.detail = f"{url}: {answer.detail}"
+            return answer
         with self._lock:
             self.http_stats["failed"] += 1
         return failure
+
+    async def _request(self, client, method: str, url: str, body: Any, headers: dict):
+        """One attempt, the whole of it within ``timeout_s`` (httpx's own
+        timeouts restart with every chunk received)."""
+        return await asyncio.wait_for(client.request(method, url, json=body, headers=headers), self.timeout_s)
 
     def _parse(self, answer: Any, n: int) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]] | _Failure:
         """(values, unscorable flags, component columns) of an answer for n stories."""
@@ -525,37 +547,51 @@ def _prompt_key(prompt: Any) -> str | None:
 
 
 def _numbers(values: list) -> np.ndarray | None:
+    """The values as floats (None: NaN), or None when one is not a number
+    or an integer too large for a float."""
     out = np.empty(len(values))
     for i, v in enumerate(values):
         if v is None:
             out[i] = math.nan
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[i] = float(v)
+            try:
+                out[i] = float(v)
+            except OverflowError:
+                return None
         else:
             return None
     return out
 
 
+def _json(response) -> Any:
+    """The answer's JSON, or a _Failure: not JSON, or nested too deep for
+    the parser (RecursionError), or an integer over Python's digit limit."""
+    try:
+        return response.json()
+    except (ValueError, RecursionError) as exc:
+        what = "nested too deep" if isinstance(exc, RecursionError) else f"not JSON ({one_line(exc)[:200]})"
+        return _Failure("malformed answer", what)
+
+
 def _retry_after(response) -> float | None:
-    """Seconds from a Retry-After header (seconds or an HTTP date)."""
+    """Seconds from a Retry-After header (seconds or an HTTP date); inf for
+    one that asks for ever, None for one that is not a wait. The caller caps
+    it."""
     value = response.headers.get("retry-after")
     if not value:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (TypeError, ValueError, OverflowError, OSError):
+            return None
+    return None if math.isnan(seconds) else max(0.0, seconds)
 
 
 def _detail(response) -> str:
-    try:
-        detail = response.json().get("detail")
-    except (ValueError, AttributeError):
-        detail = None
+    answer = _json(response)
+    detail = answer.get("detail") if isinstance(answer, dict) else None
     text = detail if isinstance(detail, str) else (response.text or response.reason_phrase or "")
     return " ".join(str(text).split())[:300] or "no detail"
