@@ -87,7 +87,7 @@ def check_resume_step(checkpoint: Path, step: int, max_steps: int | None, named_
 def check_named_checkpoint(checkpoint: Path, step_key: str, max_steps: int | None) -> int:
     """The step a ``checkpoint-<step>/`` records in its ``trainer_state.json``
     under ``step_key``, checked against its name and ``max_steps``
-    (:func:`check_resume_step`); its files checked readable."""
+    (:func:`check_resume_step`)."""
     try:
         state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
         step = state[step_key]
@@ -96,7 +96,6 @@ def check_named_checkpoint(checkpoint: Path, step_key: str, max_steps: int | Non
                          "resumed") from None
     suffix = checkpoint.name.rsplit("-", 1)[-1]
     check_resume_step(checkpoint, step, max_steps, named_step=int(suffix) if suffix.isdigit() else None)
-    check_checkpoint_files(checkpoint)
     return step
 
 
