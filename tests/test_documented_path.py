@@ -11,7 +11,8 @@ configs/rl/grpo_llama2_lora.yaml trains that one). The shipped files of
 changed (:data:`CHANGED`, checked for each file):
 
 * the models: the tiny storytellers, a tiny LLaMA for the reward model's
-  text backbone; the pairs file the previous command wrote;
+  text backbone (the other paths are the shipped ones: runs/sft/final,
+  runs/pairs/train.jsonl, runs/dpo/final, ...);
 * sizes: one optimizer step, batches of 2, short stories, a small sequence
   image;
 * what this machine lacks: 4-bit loading (CUDA) and tensorboard (not a
@@ -63,7 +64,7 @@ TRL_SIZES = {"per_device_train_batch_size", "gradient_accumulation_steps", "num_
 DEVICE = {"load_in_4bit", "report_to"}
 #: sft.yaml's documented alternative for a causal LM ("trains on the prompt text only (setting: text)").
 TEXT_POLICY = {"setting"}
-CHANGED = {"model", "pairs", "rewards", *SIZES, *DEVICE, *TEXT_POLICY,
+CHANGED = {"model", "rewards", *SIZES, *DEVICE, *TEXT_POLICY,
            *(f"{s}.{k}" for s in ("grpo", "ppo", "rloo") for k in TRL_SIZES)}
 
 #: configs/rl files that are not the storyteller path, and why.
@@ -162,16 +163,16 @@ def run_path_to_dpo(root: Path, models: dict, kind: str) -> dict:
         policy = {"model": models["vlm"]} if kind == "vlm" else {"model": models["llama"], "setting": "text"}
         out["sft"] = invoke("train", "sft", "-q", "--config", derived(
             "training/sft.yaml", {**policy, "max_steps": 1, "batch_size": 2, "sequence_image_size": "64x32"}))
-        # storyrl pairs --policy runs/sft/final --data train.json -k 4 -m dhm -o pairs.jsonl; dpo.yaml reads
-        # runs/pairs/train.jsonl. rouge_l (to the human story) for dhm: d_HM's dimensions need models, and
+        # storyrl pairs --policy runs/sft/final --data train.json -k 4 -m dhm -o pairs.jsonl; dpo.yaml and
+        # reward_model.yaml read runs/pairs/train.jsonl. rouge_l (to the human story) for dhm: d_HM's dimensions need models, and
         # repetition alone scores no story of a random policy (none has two sentences).
         out["pairs"] = invoke("pairs", "--policy", "runs/sft/final", "--data",
                               "data/vist/sis/train.story-in-sequence.json", "--image-root", "data/vist/images/train",
                               "-k", 4, "-m", "rouge_l", "--max-new-tokens", 12, "-o", "runs/pairs/train.jsonl")
         # storyrl train reward_model --config configs/training/reward_model.yaml
         out["reward_model"] = invoke("train", "reward_model", "-q", "--config", derived(
-            "training/reward_model.yaml", {"model": models["llama"], "pairs": "runs/pairs/train.jsonl",
-                                           "max_steps": 1, "batch_size": 2, "max_length": 128}))
+            "training/reward_model.yaml", {"model": models["llama"], "max_steps": 1, "batch_size": 2,
+                                           "max_length": 128}))
         # storyrl train dpo --config configs/training/dpo.yaml
         out["dpo"] = invoke("train", "dpo", "-q", "--config", derived(
             "training/dpo.yaml", {"max_steps": 1, "batch_size": 2, "sample_steps": 1, "sample_prompts": 2,
