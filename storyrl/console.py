@@ -20,8 +20,15 @@ Hidden without ``--verbose``, each matched on what the library really emits:
   ... initialized randomly``: the first is about a tag open_clip ignores, the
   second follows either ``pretrained: null`` (asked for) or a more specific
   warning that stays (``no CLIP weights found in DIR``);
-* third-party progress bars (weight loading, shard writing) when stderr is not
+* the ``datasets`` library's progress bars (``Map:``, ``Filter``, TRL's
+  ``Tokenizing train dataset``), on a terminal too (``HF_DATASETS_DISABLE_PROGRESS_BARS``);
+* other third-party progress bars (weight loading, shard writing) when stderr is not
   a terminal, where they are only carriage returns and cursor moves in a log.
+
+Log records (storyrl's warnings, a library's) are printed as the message
+alone, whatever a library does: ``logging.warning(...)`` called by open_clip
+would otherwise ``basicConfig()`` the root logger and turn every later line
+into ``WARNING:storyrl.rewards.base:...``.
 
 :func:`progress` is storyrl's own tqdm: on a terminal unchanged; elsewhere one
 plain bar updated at most every few seconds, and no nested bars (whose cursor-up
@@ -43,6 +50,8 @@ VERBOSE_ENV = "STORYRL_VERBOSE"
 # Non-terminal bars: at most one line every this many seconds (tqdm's default
 # 0.1 s fills a log with thousands of carriage-return updates).
 PLAIN_MININTERVAL_S = 10.0
+
+DATASETS_BARS_ENV = "HF_DATASETS_DISABLE_PROGRESS_BARS"
 
 _LIBRARY_VERBOSITY = {"transformers": "TRANSFORMERS_VERBOSITY", "huggingface_hub": "HF_HUB_VERBOSITY",
                       "datasets": "DATASETS_VERBOSITY"}
@@ -88,6 +97,7 @@ def configure_output(verbose_output: bool | None = None) -> bool:
     global _configured
     if verbose_output is None:
         verbose_output = verbose()
+    _console_logging()
     if verbose_output or _configured:
         return not verbose_output
     _configured = True
@@ -101,6 +111,13 @@ def configure_output(verbose_output: bool | None = None) -> bool:
         os.environ.setdefault(variable, "error")  # read when the library is imported, here and in subprocesses
         if module in sys.modules:  # imported already: its level was set from the environment then
             _set_library_verbosity(module, os.environ[variable])
+    # datasets' map/filter bars ("Map:", TRL's "Tokenizing train dataset") on a
+    # terminal too: storyrl's own bar is the one progress shown.
+    os.environ.setdefault(DATASETS_BARS_ENV, "1")  # read when datasets is imported
+    if "datasets" in sys.modules and os.environ[DATASETS_BARS_ENV] == "1":
+        from datasets.utils import disable_progress_bars
+
+        disable_progress_bars()
     if not is_tty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars follow the hub's switch
         if "huggingface_hub" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
@@ -112,6 +129,33 @@ def configure_output(verbose_output: bool | None = None) -> bool:
 
             transformers_logging.disable_progress_bar()
     return True
+
+
+class _ConsoleHandler(logging.Handler):
+    """What Python's last-resort handler does (the message alone, to
+    whatever ``sys.stderr`` is when a record comes), as the root logger's
+    handler: a library's ``logging.warning(...)`` then finds a handler and
+    does not call ``logging.basicConfig()``, whose ``WARNING:name:message``
+    lines would be every later message's format."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 -- logging's own rule: a failed record never raises
+            self.handleError(record)
+
+
+def _console_logging() -> None:
+    """storyrl's console format for log records, unless the root logger
+    already has a handler (the application's own, or pytest's)."""
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(_ConsoleHandler())
 
 
 def _set_library_verbosity(module: str, level: str) -> None:

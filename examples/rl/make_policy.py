@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import storyrl  # noqa: F401  (torchvision fallback before transformers)
+from storyrl.console import configure_output
 from storyrl.generators.prompts import load_prompts
 from storyrl.text import split_sentences
 
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
+    configure_output()  # as storyrl's commands: library notices only with STORYRL_VERBOSE=1
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

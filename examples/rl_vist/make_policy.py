@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import storyrl  # noqa: F401  (torchvision fallback before transformers)
+from storyrl.console import configure_output
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CHAT_TEMPLATE, EOS, chat_text, user_prompt
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    configure_output()  # as storyrl's commands: library notices only with STORYRL_VERBOSE=1
     pretrain(load_records(args.train), args.out, args.steps, args.batch_size, args.lr, args.seed,
              heldout=load_records(args.heldout) if args.heldout else None)
 

@@ -69,6 +69,16 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except CommandError as exc:
+            # A command's own one-line error raised while handling an exception
+            # (``except ValueError as exc: _fail(str(exc))``): that exception's
+            # traceback is what --debug promises.
+            cause = exc.__cause__ or exc.__context__
+            if _debug() and isinstance(cause, BaseException) and not isinstance(cause, click.ClickException):
+                import traceback
+
+                traceback.print_exception(cause)
+            raise
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except (Exception, KeyboardInterrupt) as exc:

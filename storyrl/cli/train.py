@@ -54,6 +54,31 @@ class _TrainCommand(GeneratedOptionsCommand):
         super().format_help(ctx, formatter)
 
 
+def _refuse_locked(config_path, overrides: dict) -> None:
+    """A second run on the output directory of a running one fails at once:
+    checking the config can take seconds (telling a local policy's kind
+    imports transformers), the lock is a file. Only a look: the trainer
+    takes the lock itself (:func:`storyrl.training.runs.guarded`), and a
+    file that cannot be read is left to the config's own error."""
+    from pathlib import Path
+
+    from storyrl.config import load_yaml
+    from storyrl.training.runs import LOCK_FILE, is_main_process, lock_directory
+
+    output_dir = overrides.get("output_dir")
+    if output_dir is None:
+        try:
+            data = load_yaml(config_path)
+        except (OSError, ValueError):
+            return
+        output_dir = data.get("output_dir") if isinstance(data, dict) else None
+    if not isinstance(output_dir, str) or not is_main_process():
+        return  # other ranks share the main process's lock
+    if (Path(output_dir) / LOCK_FILE).is_file():
+        with lock_directory(output_dir):
+            pass  # RunDirectoryError (a ValueError) when another run holds it
+
+
 def _train_command(name: str, description: str) -> click.Command:
     def trainer():
         from storyrl.training import TRAINERS
@@ -70,6 +95,7 @@ def _train_command(name: str, description: str) -> click.Command:
             _fail("--resume and --overwrite exclude each other", 2)
         entry = trainer()
         try:
+            _refuse_locked(config_path, given(values))
             config = entry.config_class.from_yaml(config_path, **given(values))
             result = entry.run(config, resume=resume, progress=not quiet, overwrite=overwrite)
         except (FileNotFoundError, ValueError) as exc:

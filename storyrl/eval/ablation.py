@@ -41,12 +41,15 @@ evaluate the resulting story files with ``stories``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -316,9 +319,34 @@ def _score(metrics: list, records: list[StoryRecord], path: Path, rescore: bool,
 
     if progress:
         print(f"ablate: scoring {label}", file=sys.stderr)
-    score_to_file(metrics, records, path, resume=not rescore, overwrite=rescore, batch_size=config.batch_size,
-                  progress=progress)
+    with _unscorable_counted(metrics, label):
+        score_to_file(metrics, records, path, resume=not rescore, overwrite=rescore, batch_size=config.batch_size,
+                      progress=progress)
     return read_scores(path)
+
+
+class _DropUnscorable(logging.Filter):
+    """The rewards' per-story ``unscorable story`` warnings: counted instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("%s: unscorable story")
+
+
+@contextlib.contextmanager
+def _unscorable_counted(metrics: list, label: str):
+    """Score without the per-story warnings, then print one line per metric
+    and reason: ``ablate: <label>: bleu: 4 unscorable: no reference``."""
+    reasons = [getattr(m, "stats", {}).get("reasons", Counter()) for m in metrics]
+    before = [Counter(r) for r in reasons]
+    quiet, logger = _DropUnscorable(), logging.getLogger("storyrl.rewards.base")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+        for metric, now, earlier in zip(metrics, reasons, before):
+            for reason, count in (Counter(now) - earlier).most_common():
+                print(f"ablate: {label}: {metric.name}: {count} unscorable: {reason}", file=sys.stderr)
 
 
 def run_ablation(config: AblationConfig, progress: bool = True, only: Sequence[str] | None = None,
