@@ -161,6 +161,64 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     assert json.loads((out / "results.json").read_text())["start"] == "start"
 
 
+# The shipped results.png's figures (README table: d_HM coh., d_HM rep., d_HM, KL, delta [CI]).
+SHIPPED = {"start": (0.0950, 0.0570, 0.0760, 0.0, 0.0, 0.0, 0.0),
+           "ppo_dhm": (0.0831, 0.0467, 0.0649, 7.18, -0.0111, -0.0159, -0.0064),
+           "grpo_dhm": (0.0853, 0.0462, 0.0657, 1.26, -0.0103, -0.0148, -0.0058),
+           "rloo_dhm": (0.0871, 0.0458, 0.0664, 3.78, -0.0095, -0.0150, -0.0040),
+           "ppo_repetition": (0.0895, 0.0453, 0.0674, 9.49, -0.0086, -0.0147, -0.0019),
+           "grpo_repetition": (0.0890, 0.0432, 0.0661, 3.19, -0.0099, -0.0148, -0.0048),
+           "rloo_repetition": (0.0976, 0.0457, 0.0716, 6.38, -0.0044, -0.0104, 0.0015),
+           "dpo_dhm": (0.0835, 0.0435, 0.0635, 5.53, -0.0125, -0.0178, -0.0072)}
+
+
+def _shipped_results() -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    policies = {}
+    for k, (name, (coh, rep, dhm, kl, delta, low, high)) in enumerate(SHIPPED.items()):
+        entry = {"dhm_coherence": coh, "dhm_repetition": rep, "dhm": dhm, "kl": kl,
+                 "delta": {"delta": delta, "low": low, "high": high}, "training": None}
+        if name == "dpo_dhm":  # a few monitoring points, as DPO logs them
+            entry["training"] = {"curve_steps": list(range(10, 90, 10)),
+                                 "curve": [-0.11, -0.135, -0.135, -0.136, -0.13, -0.125, -0.128, -0.127]}
+        elif name != "start":  # 80 logged steps of a noisy rising reward
+            entry["training"] = {"curve": list(0.9 * (k % 2) - 0.07 + np.cumsum(rng.normal(0.0004 * k, 0.004, 80)))}
+        policies[name] = entry
+    return {"label": "held-out", "start": "start", "policies": policies}
+
+
+def test_results_png_legends_cover_no_data(tmp_path, monkeypatch):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from evaluate import plot
+    from matplotlib.figure import Figure
+    from test_plots_layout import inside_figure, overlaps
+
+    saved = []
+    savefig = Figure.savefig
+
+    def keep(fig, *args, **kwargs):  # the figure plot() writes, to measure after it is closed
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot(_shipped_results(), tmp_path / "results.png")
+    assert (tmp_path / "results.png").read_bytes()[:4] == b"\x89PNG"
+    fig = saved[0]
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # closing it left a canvas that cannot draw
+    try:
+        assert [ax.get_title() for ax in fig.axes] == ["held-out d_HM per dimension", "training reward",
+                                                      "held-out improvement vs drift"]
+        assert overlaps(fig) == [] and inside_figure(fig)
+    finally:
+        plt.close(fig)
+
+
 def test_vist_spacing_inverts_the_decoder():
     from tokenizers import decoders
 

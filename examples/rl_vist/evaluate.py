@@ -343,7 +343,13 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
+def _legend_outside(ax) -> None:
+    """Right of the axes, where it cannot cover a bar, a curve or a point."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def figure(results: dict):
+    """The three panels of results.png (a matplotlib Figure, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,7 +358,7 @@ def plot(results: dict, path: Path) -> None:
 
     names = list(results["policies"])
     pol = results["policies"]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.8), layout="constrained")
     ax = axes[0]
     x = np.arange(len(names))
     ax.bar(x - 0.2, [pol[n]["dhm_coherence"] for n in names], 0.2, label="coherence")
@@ -361,7 +367,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks(x, names, rotation=30, ha="right")
     ax.set_ylabel(f"distance to the {results['label']} human stories (lower is better)")
     ax.set_title(f"{results['label']} d_HM per dimension")
-    ax.legend()
+    _legend_outside(ax)
     ax = axes[1]
     for n in names:
         t = pol[n].get("training")
@@ -377,7 +383,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("logged step")
     ax.set_ylabel("training reward - its start (moving mean of 10)")
     ax.set_title("training reward")
-    ax.legend(fontsize=8)
+    _legend_outside(ax)
     ax = axes[2]
     for n in names:
         if n == results["start"]:
@@ -389,9 +395,15 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("KL to the start policy (nats per story)")
     ax.set_ylabel("delta d_HM vs start (95% CI)")
     ax.set_title(f"{results['label']} improvement vs drift")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    _legend_outside(ax)
+    return fig
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(results)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
