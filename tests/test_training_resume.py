@@ -280,24 +280,25 @@ def test_dpo_with_no_example_left_after_max_length_names_it(assets, tmp_path):
         train(config, progress=False)
 
 
-def test_a_resumed_reward_model_never_trains_past_max_steps(assets, tmp_path):
-    """The reward model trains through transformers' Trainer too (its own
-    train(), not train_to_final): the guard every storyrl TRL trainer
-    carries (HistoryCallback is a RunGuard) stops the extra step. Until
-    reward_model.train goes through run_training, the resume says so in one
-    line; either way no step past max_steps is trained or saved."""
+def test_a_finished_reward_model_resumed_changes_nothing(assets, tmp_path):
+    """The reward model trains through its own train() (held-out pairs,
+    pair accuracy): resumed when finished it is a no-op too; killed after
+    its last checkpoint, final/ is written without a step more."""
     from storyrl.training.reward_model import RewardModelRunConfig, train
 
     config = RewardModelRunConfig.from_mapping({
         "model": assets["model"], "pairs": assets["pairs"], "output_dir": str(tmp_path / "run"), "max_steps": 1,
         "batch_size": 1, "logging_steps": 1, "save_steps": 1, "eval_fraction": 0.0, "seed": 0})
-    assert train(config, progress=False).steps == 1
-    try:
+    first = train(config, progress=False)
+    assert first.steps == 1
+    before = snapshot(tmp_path / "run")
+    for _ in range(2):
         again = train(config, resume=True, progress=False)
-    except ValueError as exc:
-        assert str(exc).endswith("already at the run's max_steps 1; nothing left to train"), exc
-    else:
-        assert again.steps == 1
+        assert again.summary() == first.summary()
+        assert snapshot(tmp_path / "run") == before
+    shutil.rmtree(tmp_path / "run" / "final")  # killed before final/ was written
+    again = train(config, resume=True, progress=False)
+    assert again.steps == 1 and (tmp_path / "run" / "final").is_dir()
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1"]
     assert [e["step"] for e in map(json.loads, (tmp_path / "run" / "history.jsonl").read_text().splitlines())
             if "loss" in e] == [1]

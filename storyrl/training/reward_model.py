@@ -51,6 +51,7 @@ from storyrl.training.storyteller import LoraOptions, RunResult, TrlRunOptions, 
 __all__ = ["HELDOUT_FILE", "TRAINER", "RewardModelResult", "RewardModelRunConfig", "build_trainer", "read_pairs",
            "split_pairs", "train"]
 
+CONFIG_FILE = "reward_model_config.yaml"  # written last into final/: a finished run
 HELDOUT_FILE = "heldout_pairs.jsonl"
 
 
@@ -257,9 +258,16 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: list[dict], prompt: str | No
 def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = True) -> RewardModelResult:
     """Train, then save the model, its tokenizer and how to score in ``OUTPUT_DIR/final``."""
     from storyrl.rewards.reward_model import METADATA_FILE
-    from storyrl.training.rl.trl_trainers import resume_checkpoint
+    from storyrl.training.guards import check_weight_files, finished_history
+    from storyrl.training.rl.trl_guards import resume_checkpoint, run_training
 
-    checkpoint = resume_checkpoint(config.output_dir, resume)
+    checkpoint = resume_checkpoint(config.output_dir, resume, config.max_steps)
+    history = finished_history(config, CONFIG_FILE) if resume else None
+    if history is not None and "heldout_pairs" in history[-1]:  # this run had finished: nothing to do
+        last = history[-1]
+        return RewardModelResult(output_dir=config.output_dir, steps=last["step"], history=history,
+                                 heldout_pairs=last["heldout_pairs"], heldout_accuracy=last.get("heldout_accuracy"))
+    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
     trainer, held, prompt = build_trainer(config, progress)
     main = trainer.is_world_process_zero()
     output = Path(config.output_dir)
@@ -267,7 +275,7 @@ def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = T
         output.mkdir(parents=True, exist_ok=True)
         (output / HELDOUT_FILE).write_text("".join(json.dumps({k: v for k, v in r.items() if k != "_line"}) + "\n"
                                                    for r in held), encoding="utf-8")
-    trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
+    run_training(trainer, checkpoint)
     model = trainer.accelerator.unwrap_model(trainer.model)
     accuracy = pair_accuracy(model, trainer.processing_class, held, prompt, config.max_length)
     final = output / "final"
@@ -283,7 +291,7 @@ def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = T
         (final / METADATA_FILE).write_text(json.dumps(
             {"max_length": config.max_length, "include_prompt": config.include_prompt, "prompt": prompt,
              "pairs": config.pairs}, indent=1), encoding="utf-8")
-        config.to_yaml(final / "reward_model_config.yaml")
+        config.to_yaml(final / CONFIG_FILE)
         entry = {"heldout_pairs": len(held), "heldout_accuracy": accuracy, "step": trainer.state.global_step}
         with (output / "history.jsonl").open("a", encoding="utf-8") as f:
             f.write(json.dumps(entry) + "\n")
