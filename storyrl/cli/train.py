@@ -90,6 +90,7 @@ def _train_command(name: str, description: str) -> click.Command:
 
     def command(config_path, resume, overwrite, quiet, **values) -> None:
         from storyrl.training import TrainResult
+        from storyrl.training.model_card import ensure_model_card
 
         if resume and overwrite:
             _fail("--resume and --overwrite exclude each other", 2)
@@ -103,6 +104,7 @@ def _train_command(name: str, description: str) -> click.Command:
         if not isinstance(result, TrainResult):
             _fail(f"trainer {name}: its train function returned {type(result).__name__}, which has no summary() "
                   f"(storyrl.training.TrainResult)")
+        ensure_model_card(result, config, name)  # the trainers that write no card of their own (PPO, reward model)
         click.echo(_json(result.summary()))
 
     def help_text() -> str:

@@ -391,8 +391,10 @@ def load_full_weights(model, checkpoint: Path) -> bool:
 def save_final(config, trainer, final: Path, config_file: str = "rl_config.yaml") -> None:
     """The trained policy in ``final``: adapters (or merged weights with
     ``lora.merge``) or full weights, with the tokenizer/processor (left
-    padding: what generation and RL want) and the run's config as
-    ``config_file``."""
+    padding: what generation and RL want), the run's config as
+    ``config_file`` and storyrl's model card (:mod:`storyrl.training.model_card`)."""
+    from storyrl.training.model_card import write_model_card
+
     if config.lora.enabled and config.lora.merge:
         model = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
         if trainer.is_world_process_zero():
@@ -404,6 +406,7 @@ def save_final(config, trainer, final: Path, config_file: str = "rl_config.yaml"
         tokenizer.padding_side = "left"  # SFT and DPO train right-padded
         trainer.processing_class.save_pretrained(final)
         config.to_yaml(final / config_file)
+        write_model_card(final, config, config_file.removesuffix("_config.yaml"), steps=trainer.state.global_step)
 
 
 class FinishedRun:
@@ -449,6 +452,9 @@ def quiet_progress(trainer, progress: bool) -> None:
     to disable_tqdm. A notebook's widget is neither and stays."""
     from transformers import PrinterCallback, ProgressCallback
 
+    from storyrl.training.model_card import library_cards_callback
+
+    trainer.add_callback(library_cards_callback())  # TRL's and PEFT's checkpoint cards (storyrl's is in final/)
     if not progress:
         trainer.remove_callback(PrinterCallback)  # what transformers prints each log with disable_tqdm
     elif not verbose() and any([trainer.pop_callback(PrinterCallback), trainer.pop_callback(ProgressCallback)]):
