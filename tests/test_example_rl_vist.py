@@ -219,6 +219,44 @@ def test_results_png_legends_cover_no_data(tmp_path, monkeypatch):
         plt.close(fig)
 
 
+def _run(args, cwd, env_extra) -> "subprocess.CompletedProcess":
+    import os
+    import subprocess
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "VIRTUAL_ENV": "set",
+           **env_extra}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_run_sh_without_its_data_says_which_file_and_where_to_get_it(tmp_path):
+    import shutil
+
+    # A copy of the example in a scratch checkout: run.sh works from its repository root (here tmp_path).
+    shutil.copytree(EXAMPLE, tmp_path / "examples" / "rl_vist")
+    script = str(tmp_path / "examples" / "rl_vist" / "run.sh")
+    missing = tmp_path / "nowhere" / "gt_test.json"
+    result = _run(["bash", script], tmp_path, {"STORYRL_VIST_STORIES": str(missing)})
+    assert result.returncode == 1
+    output = (result.stdout + result.stderr).strip()
+    assert "\n" not in output and "Traceback" not in output, output
+    assert str(missing) in output and "STORYRL_VIST_STORIES" in output
+    assert "https://github.com/akskuchi/dHM-visual-storytelling" in output
+    assert not (tmp_path / "out").exists()  # nothing ran before the check
+    missing.parent.mkdir()
+    missing.write_text("{}")
+    result = _run(["bash", script], tmp_path, {"STORYRL_VIST_STORIES": str(missing),
+                                               "STORYRL_CONCRETENESS": str(tmp_path / "no.csv")})
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 1 and "\n" not in output and str(tmp_path / "no.csv") in output, output
+
+    # prepare_data.py on its own: one line too
+    result = _run([sys.executable, str(EXAMPLE / "prepare_data.py"), str(tmp_path / "data"), "--stories",
+                   str(tmp_path / "absent.json")], tmp_path, {})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"prepare_data.py: --stories: no such file: {tmp_path / 'absent.json'} (set "
+                                     "--stories or $STORYRL_VIST_STORIES; where to get it: examples/rl_vist/README.md)")
+
+
 def test_vist_spacing_inverts_the_decoder():
     from tokenizers import decoders
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# RL example on CPU (a few minutes): build a tiny story policy, fine-tune it
+# RL example on CPU (1.5 to 8 minutes on 2 cores, by load; see README.md): build a tiny story policy, fine-tune it
 # with GRPO against the repetition reward, print the reward curve.
 set -euo pipefail
 cd "$(dirname "$0")/../.."

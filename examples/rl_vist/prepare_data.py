@@ -118,6 +118,11 @@ def main() -> None:
     parser.add_argument("--heldout-fraction", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    for option, path, variable in (("--stories", args.stories, "STORYRL_VIST_STORIES"),
+                                   ("--concreteness", args.concreteness, "STORYRL_CONCRETENESS")):
+        if not path.is_file():  # one line, not a traceback
+            sys.exit(f"prepare_data.py: {option}: no such file: {path} (set {option} or ${variable}; where to get it: "
+                     "examples/rl_vist/README.md)")
     summary = prepare(args.stories, args.out, args.train, args.heldout, args.val, args.heldout_fraction, args.seed,
                       args.concreteness)
     print(json.dumps(summary))

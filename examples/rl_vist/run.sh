@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The rl_vist experiment, end to end on CPU (about 30 minutes on 2 shared
-# cores; see README.md): split the VIST test human stories into train and
+# The rl_vist experiment, end to end on CPU (about 34 minutes on 2 cores at
+# load 1-3.5; see README.md): split the VIST test human stories into train and
 # held-out sequences, pretrain (SFT) a tiny storyteller and a tiny RoViST-C
 # coherence model on the train split, fine-tune the storyteller with PPO,
 # GRPO and RLOO against d_HM (coherence + repetition) and against raw
@@ -27,6 +27,16 @@ CONCRETENESS="${STORYRL_CONCRETENESS:-../shared/data/groovist/concreteness_ratin
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 OUT=out/rl_vist
 EX=examples/rl_vist
+
+need() {  # need FILE VARIABLE WHAT SOURCE: one line and exit 1 when a data file is absent, before anything runs
+    [ -f "$1" ] && return
+    echo "rl_vist: no $3 at $1: get $4 and set $2 to its path (see $EX/README.md)" >&2
+    exit 1
+}
+need "$STORIES" STORYRL_VIST_STORIES "VIST test human stories" \
+    "data/stories/vist/gt_test.json of https://github.com/akskuchi/dHM-visual-storytelling"
+need "$CONCRETENESS" STORYRL_CONCRETENESS "concreteness ratings" \
+    "data/concreteness_ratings.csv of https://github.com/akskuchi/groovist"
 RUNS=(ppo_dhm grpo_dhm rloo_dhm ppo_repetition grpo_repetition rloo_repetition)
 SEED=0
 
