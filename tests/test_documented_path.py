@@ -59,9 +59,8 @@ SIZES = {"max_steps", "batch_size", "max_length", "sample_steps", "sample_prompt
          "sequence_image_size"}
 TRL_SIZES = {"per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
              "max_completion_length", "response_length", "num_mini_batches", "num_ppo_epochs"}
-#: What this machine lacks: bitsandbytes' 4-bit needs CUDA; tensorboard is not installed (nor a
-#: storyrl dependency: test_the_shipped_trackers_are_installed marks that).
-DEVICE = {"load_in_4bit", "report_to"}
+#: What this machine lacks: bitsandbytes' 4-bit needs CUDA.
+DEVICE = {"load_in_4bit"}
 #: sft.yaml's documented alternative for a causal LM ("trains on the prompt text only (setting: text)").
 TEXT_POLICY = {"setting"}
 CHANGED = {"model", "rewards", *SIZES, *DEVICE, *TEXT_POLICY,
@@ -249,19 +248,17 @@ def test_rl_trains_the_dpo_policy_with_the_shipped_config(path_to_dpo, name):
     changes = {"model": "runs/dpo/final", "max_steps": 1,
                "rewards": [{"reward": "reward_model", "model": "runs/reward_model/final"}],
                **{f"{algorithm}.{k}": v for k, v in RL_SIZES[algorithm].items()}}
-    changes.update({k: v for k, v in (("sequence_image_size", "64x32"), ("load_in_4bit", False),
-                                      ("report_to", "none")) if k in shipped})
+    changes.update({k: v for k, v in (("sequence_image_size", "64x32"), ("load_in_4bit", False)) if k in shipped})
     with running_in(path["root"]):
         summary = invoke("train", "rl", "-q", "--config", derived(f"rl/{name}", changes))
     assert summary["steps"] == 1
     assert (path["root"] / shipped["output_dir"] / "final").is_dir()
 
 
-@pytest.mark.xfail(strict=True, reason="configs/rl/*.yaml report_to: tensorboard, which storyrl does not depend on: "
-                   "on a default install `storyrl train rl` stops after loading the models (TensorBoardCallback "
-                   "requires tensorboard); needs a tensorboard dependency (or extra), a config-time check, or "
-                   "report_to: none in the shipped files")
 def test_the_shipped_trackers_are_installed():
+    """A shipped config runs on a default install: the trackers it names are
+    installed (storyrl depends on none; tracker_problems refuses a missing
+    one at config time)."""
     import importlib.util
 
     for path in sorted(CONFIGS.rglob("*.yaml")):
@@ -271,3 +268,30 @@ def test_the_shipped_trackers_are_installed():
                 assert importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"), path
             elif tracker not in ("none", "all"):
                 assert importlib.util.find_spec(tracker), path
+
+
+@pytest.mark.parametrize("config", ["rl", "ppo", "storyteller"])
+def test_a_tracker_that_is_not_installed_is_refused_at_config_time(monkeypatch, tmp_path, config):
+    """report_to: tensorboard without tensorboard failed only after the
+    models had loaded (TRL's TensorBoardCallback); now the config says so."""
+    import importlib.util
+
+    from storyrl.config import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboard", "tensorboardX") else real(name, *a))
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"story_id": "s", "story": "a b ."}\n')
+    if config == "rl":
+        from storyrl.training.rl.config import RLConfig as cls
+        options = {"model": "m", "data": str(data), "output_dir": str(tmp_path / "o"), "rewards": ["bleu"]}
+    elif config == "ppo":
+        from storyrl.training.rl.ppo.config import PPOConfig as cls
+        options = {}
+    else:
+        from storyrl.training.sft import SFTRunConfig as cls
+        options = {"model": "m", "data": str(data), "output_dir": str(tmp_path / "o")}
+    with pytest.raises(ConfigError, match=r"report_to: tensorboard is not installed \(pip install tensorboard\)"):
+        cls.from_mapping({**options, "report_to": "tensorboard"})
+    cls.from_mapping({**options, "report_to": "none"})

@@ -644,5 +644,12 @@ def test_config_problems():
         PPOConfig(use_score_norm=True)
     with pytest.raises(TypeError, match="kl_coef"):
         PPOConfig(kl_coef="0.1")
-    assert PPOConfig(report_to=["tensorboard", "wandb"]).trackers == ["tensorboard", "wandb"]
+    assert PPOConfig(report_to=["all"]).trackers == ["all"]
     assert PPOConfig().trackers == []
+
+
+def test_trackers_are_accelerates_log_with(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # as if installed
+    assert PPOConfig(report_to=["tensorboard", "wandb"]).trackers == ["tensorboard", "wandb"]

@@ -337,11 +337,16 @@ def write_yaml(path, data):
     return path
 
 
-def test_run_level_keys_flow_into_the_algorithm_and_only_given_keys_are_saved(assets, tmp_path):
+def test_run_level_keys_flow_into_the_algorithm_and_only_given_keys_are_saved(assets, tmp_path, monkeypatch):
+    import importlib.util
+
     from trl import GRPOConfig
 
     from storyrl.training.rl.config import RLConfig
 
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # tensorboard as if installed (storyrl does not need it)
+                        lambda name, *a: object() if name == "tensorboard" else real(name, *a))
     config = rl_config(assets, tmp_path / "out", seed=7, report_to="tensorboard")
     grpo = config.grpo
     assert (grpo.output_dir, grpo.seed, grpo.max_steps, grpo.reward_weights) == \

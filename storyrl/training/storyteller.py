@@ -144,11 +144,9 @@ class TrlRunOptions(Config):
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
 
     def _problems(self) -> list[str]:
-        from storyrl.training.rl.ppo.config import TRACKERS
+        from storyrl.training.rl.ppo.config import tracker_problems
 
-        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        problems = [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}"
-                    for t in trackers if t not in TRACKERS]
+        problems = tracker_problems(self.report_to)
         lora = getattr(self, "lora", None)
         if getattr(self, "precision", None) == "fp16" and not (lora is not None and lora.enabled):
             # fp16=True's GradScaler refuses fp16 gradients, and without it Adam's

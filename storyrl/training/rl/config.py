@@ -34,7 +34,7 @@ from typing import Any
 from trl import GRPOConfig, RLOOConfig
 
 from storyrl.config import Config, check_type, first_nonfinite, option
-from storyrl.training.rl.ppo.config import TRACKERS, PPOConfig
+from storyrl.training.rl.ppo.config import PPOConfig, tracker_problems
 from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
 __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig",
@@ -198,9 +198,7 @@ class RLConfig(StorytellerConfig):
             problems.append(f"reward_weights: every weight must be a finite number, got {self.reward_weights}")
         elif self.reward_weights is not None and not any(self.reward_weights):
             problems.append("reward_weights: every weight is 0; nothing would be optimised")
-        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        problems += [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
-                     if t not in TRACKERS]
+        problems += tracker_problems(self.report_to)
         problems += self._precision_problems()
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":

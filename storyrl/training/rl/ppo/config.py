@@ -23,13 +23,33 @@ from dataclasses import dataclass
 
 from storyrl.config import Config, option
 
-__all__ = ["KL_ESTIMATORS", "PPOConfig", "TRACKERS"]
+__all__ = ["KL_ESTIMATORS", "PPOConfig", "TRACKERS", "tracker_problems"]
 
 KL_ESTIMATORS = ("k1", "k3")
 #: accelerate's tracker names (``Accelerator(log_with=...)``), plus all/none.
 TRACKERS = (
     "none", "all", "tensorboard", "wandb", "comet_ml", "aim", "mlflow", "clearml", "dvclive", "swanlab", "trackio",
 )
+#: The package each tracker needs (tensorboard: either, as transformers takes).
+_TRACKER_PACKAGES = {"tensorboard": ("tensorboard", "tensorboardX")}
+
+
+def tracker_problems(report_to: str | list[str]) -> list[str]:
+    """Unknown tracker names, and trackers whose package is not installed
+    (found without importing it): TRL/accelerate would fail only once the
+    models are loaded."""
+    from importlib.util import find_spec
+
+    trackers = [report_to] if isinstance(report_to, str) else list(report_to)
+    problems = [f"report_to: unknown tracker {t!r}; known: {', '.join(TRACKERS)}" for t in trackers
+                if t not in TRACKERS]
+    for tracker in trackers:
+        if tracker in TRACKERS and tracker not in ("none", "all"):
+            packages = _TRACKER_PACKAGES.get(tracker, (tracker,))
+            if not any(find_spec(package) for package in packages):
+                problems.append(f"report_to: {tracker} is not installed (pip install {packages[0]}); "
+                                "or set report_to: none (history.jsonl keeps every log)")
+    return problems
 
 
 @dataclass
@@ -113,11 +133,7 @@ class PPOConfig(Config):
         elif (b // self.num_mini_batches) % self.gradient_accumulation_steps:
             problems.append(f"a minibatch ({b // self.num_mini_batches} prompts) must be divisible by "
                             f"gradient_accumulation_steps ({self.gradient_accumulation_steps})")
-        trackers = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
-        unknown = [t for t in trackers if t not in TRACKERS]
-        if unknown:
-            problems.append(f"report_to: unknown tracker(s) {', '.join(map(repr, unknown))}; "
-                            f"known: {', '.join(TRACKERS)}")
+        problems += tracker_problems(self.report_to)
         if self.use_score_norm and not self.use_score_scaling:
             problems.append("use_score_norm needs use_score_scaling")
         if self.mixed_precision == "bf16":
