@@ -30,7 +30,8 @@ def _hits_line(box, line) -> bool:
     """Whether a plotted line (its points, and its segments when drawn) meets ``box``."""
     path = line.get_transform().transform_path(line.get_path())
     points = path.vertices[np.isfinite(path.vertices).all(axis=1)]
-    x0, y0, x1, y1 = box.padded(line.get_markersize() * line.figure.dpi / 144).extents  # half a marker around each point
+    # half a marker (points to pixels) around each point
+    x0, y0, x1, y1 = box.padded(line.get_markersize() * line.figure.dpi / 144).extents
     if ((points[:, 0] >= x0) & (points[:, 0] <= x1) & (points[:, 1] >= y0) & (points[:, 1] <= y1)).any():
         return True
     return line.get_linestyle() not in ("None", "", " ") and path.intersects_bbox(box, filled=False)

@@ -43,7 +43,8 @@ def _table(gpu_lines, pieces) -> str:
 
 
 @click.command()
-@click.option("--metrics", "-m", default=None, help="Comma-separated reward names whose pieces to check, e.g. dhm,groovist.")
+@click.option("--metrics", "-m", default=None,
+              help="Comma-separated reward names whose pieces to check, e.g. dhm,groovist.")
 @click.option("--config", "configs", multiple=True, type=_FILE,
               help="A reward (configs/rewards), RL (configs/rl) or sweep (configs/sweeps) config; repeatable.")
 @click.option("--fetch", is_flag=True, help="Download the missing required pieces that can be downloaded (hub "
