@@ -131,7 +131,7 @@ def test_resume_from_another_data_file_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--temperature", "inf", "temperature must be a finite number >= 0, got inf"),
+    ("--temperature", "inf", "temperature must be a finite number, got inf"),
     ("--temperature", "nan", "temperature must be a number, got nan"),
     ("--sequence-image-size", "100000x100000", "at most 16,777,216 (MAX_SEQUENCE_IMAGE_PIXELS, 4096x4096)"),
 ])

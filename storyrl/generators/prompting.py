@@ -27,7 +27,6 @@ prompt must carry, as LLaVA's do, the token and a newline come first) or
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +96,6 @@ class PromptingConfig(GeneratorConfig):
             if w * h > MAX_SEQUENCE_IMAGE_PIXELS:
                 problems.append(f"sequence_image_size {self.sequence_image_size} is {w * h:,} pixels; at most "
                                 f"{MAX_SEQUENCE_IMAGE_PIXELS:,} (MAX_SEQUENCE_IMAGE_PIXELS, 4096x4096)")
-        if isinstance(self.temperature, (int, float)) and math.isinf(self.temperature):  # nan: the bound check
-            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
         return problems
 
     @property

@@ -84,8 +84,6 @@ class WeightedComponent(Config):
 
     def _problems(self) -> list[str]:
         problems = []
-        if not math.isfinite(self.weight):
-            problems.append(f"weight must be a finite number, got {self.weight!r}")
         if self.normalize == "range":
             if self.range is None:
                 problems.append("normalize 'range' needs range: [lo, hi]")
