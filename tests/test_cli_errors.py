@@ -63,6 +63,24 @@ def test_debug_switch_shows_the_traceback(tmp_path, monkeypatch):
     assert not (tmp_path / "o.csv").exists()  # a run that wrote no row leaves no file behind
 
 
+@pytest.mark.parametrize("command", ["train", "ablate", "dhm"])
+def test_debug_shows_the_traceback_behind_a_commands_one_line_error(tmp_path, monkeypatch, command):
+    """Commands that turn an exception into their own one-line error (train
+    catches ValueError and FileNotFoundError) show its traceback under
+    --debug / STORYRL_DEBUG=1 too (issue 31 item 3)."""
+    monkeypatch.setenv("STORYRL_DEBUG", "0")  # restored after the test: --debug sets it to 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no_such_key: 1\n")
+    table = tmp_path / "t.csv"
+    table.write_text("story_id,repetition\na,0.5\na,0.6\n")  # a repeated story id
+    args = {"train": ["train", "sft", "--config", bad], "ablate": ["ablate", "--config", bad],
+            "dhm": ["dhm", "--human", table, "--model", table]}[command]
+    line = _one_error_line(run(*args))
+    for result in (run(*args, env={"STORYRL_DEBUG": "1"}), run("--debug", *args)):
+        assert result.exit_code == 1 and "Traceback (most recent call last)" in result.output, result.output
+        assert result.output.rstrip().splitlines()[-1] == line  # the same one line, after the traceback
+
+
 def test_model_download_failure_names_the_reward_and_leaves_no_output(tmp_path):
     out = tmp_path / "o.csv"
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "XDG_CACHE_HOME": str(tmp_path / "cache")}
