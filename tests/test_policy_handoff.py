@@ -345,3 +345,25 @@ def test_dpo_adapters_are_a_pairs_policy(assets, tmp_path):
     assert header["options"]["k"] == 2
     assert sorted(row["story_id"] for row in rows) == ["s0", "s1", "s2", "s3"]
     assert all(len(row["samples"]) == 2 for row in rows)
+
+
+@pytest.mark.parametrize("where", ["adapters", "base"])
+def test_a_corrupted_file_anywhere_in_the_chain_is_named(assets, tmp_path, where):
+    """load_pretrained checks every local directory of the chain before
+    loading (transformers' and peft's errors name no file)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from storyrl.models.pretrained import load_pretrained
+
+    base = tmp_path / "base"
+    shutil.copytree(assets["base"], base)
+    adapters = tmp_path / "adapters"
+    shutil.copytree(assets["sft_adapters"], adapters)
+    meta = json.loads((adapters / "adapter_config.json").read_text())
+    (adapters / "adapter_config.json").write_text(json.dumps({**meta, "base_model_name_or_path": str(base)}))
+    bad = adapters / "adapter_model.safetensors" if where == "adapters" else base / "model.safetensors"
+    bad.write_bytes(bad.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"^{bad}: not a readable safetensors file"):
+        load_pretrained(AutoModelForCausalLM, str(adapters))

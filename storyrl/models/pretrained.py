@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ADAPTER_CONFIG", "adapter_base", "is_adapter_dir", "load_pretrained", "processor_source"]
+__all__ = ["ADAPTER_CONFIG", "adapter_base", "check_weight_files", "is_adapter_dir", "load_pretrained",
+           "processor_source"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 _PROCESSOR_FILES = ("tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
@@ -66,6 +67,25 @@ def _chain(name: str) -> tuple[list[str], str, str | None]:
     return adapters[::-1], name, revision
 
 
+def check_weight_files(directory: str | Path) -> None:
+    """ValueError naming the file if a ``*.safetensors`` file in
+    ``directory`` (a model directory or a checkpoint; nothing for a hub
+    name) has a header that does not parse or does not fit the file
+    (transformers' error would name no file)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError: any unreadable file)
+            raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())}); the file "
+                             "is corrupted or cut short: restore it or start again") from None
+
+
 def load_pretrained(auto_class: Any, name: str, revision: str | None = None, **kwargs: Any) -> Any:
     """``auto_class.from_pretrained(name, revision=revision, **kwargs)``,
     except that a directory of LoRA adapters is loaded as its base with the
@@ -74,6 +94,8 @@ def load_pretrained(auto_class: Any, name: str, revision: str | None = None, **k
     to ``name`` when it is the model itself, else the revision the adapters
     recorded is used for their base."""
     adapters, root, recorded = _chain(str(name))
+    for directory in [root, *adapters]:
+        check_weight_files(directory)
     if not adapters:
         return auto_class.from_pretrained(name, revision=revision, **kwargs)
     from peft import PeftConfig, PeftModel

@@ -24,11 +24,11 @@ import math
 from pathlib import Path
 from typing import Any
 
+from storyrl.models.pretrained import check_weight_files
 from storyrl.training.runs import RunFailedError
 
 __all__ = ["TrainingDiverged", "check_checkpoint_files", "check_finite_loss", "check_finite_weights",
-           "check_named_checkpoint", "check_resume_step", "check_weight_files", "finished_history",
-           "nonfinite_weights"]
+           "check_named_checkpoint", "check_resume_step", "finished_history", "nonfinite_weights"]
 
 
 class TrainingDiverged(RunFailedError):
@@ -118,24 +118,6 @@ def check_checkpoint_files(checkpoint: Path) -> None:
         if (path.is_file() and path.suffix in PICKLE_SUFFIXES and path.name not in NOT_LOADED
                 and not path.name.startswith("custom_checkpoint_")):
             _check_pickle(path)
-
-
-def check_weight_files(directory: str | Path) -> None:
-    """ValueError naming the file if a ``*.safetensors`` file in
-    ``directory`` (a model directory or a checkpoint; nothing for a hub
-    name) has a header that does not parse or does not fit the file."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return
-    from safetensors import safe_open
-
-    for path in sorted(directory.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except Exception as exc:  # noqa: BLE001  (SafetensorError, OSError: any unreadable file)
-            raise ValueError(f"{path}: not a readable safetensors file ({' '.join(str(exc).split())}); the file "
-                             "is corrupted or cut short: restore it or start again") from None
 
 
 def _check_pickle(path: Path) -> None:

@@ -258,7 +258,7 @@ def pair_accuracy(model: Any, tokenizer: Any, rows: list[dict], prompt: str | No
 def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = True) -> RewardModelResult:
     """Train, then save the model, its tokenizer and how to score in ``OUTPUT_DIR/final``."""
     from storyrl.rewards.reward_model import METADATA_FILE
-    from storyrl.training.guards import check_weight_files, finished_history
+    from storyrl.training.guards import finished_history
     from storyrl.training.rl.trl_guards import resume_checkpoint, run_training
 
     checkpoint = resume_checkpoint(config.output_dir, resume, config.max_steps)
@@ -267,7 +267,6 @@ def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = T
         last = history[-1]
         return RewardModelResult(output_dir=config.output_dir, steps=last["step"], history=history,
                                  heldout_pairs=last["heldout_pairs"], heldout_accuracy=last.get("heldout_accuracy"))
-    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
     trainer, held, prompt = build_trainer(config, progress)
     main = trainer.is_world_process_zero()
     output = Path(config.output_dir)

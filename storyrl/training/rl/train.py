@@ -104,9 +104,9 @@ def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | Non
     kind = config.policy_kind()
     if kind == "tapm" and config.algorithm != "ppo":
         raise ValueError(f"algorithm {config.algorithm}: a TAPM policy trains with ppo only")
-    from storyrl.training.guards import check_weight_files
+    from storyrl.models.pretrained import check_weight_files
 
-    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
+    check_weight_files(config.model)  # before the rewards load: a corrupted model file is named at once
     from storyrl.rewards.base import FatalRewardError, RewardError
 
     rewards = config.build_rewards()

@@ -426,7 +426,7 @@ def train_to_final(config, build_trainer, resume: bool, progress: bool, config_f
     ``OUTPUT_DIR/final`` (:func:`save_final`). Returns the trainer, or for
     a resumed run that had finished with this config a :class:`FinishedRun`
     (nothing is built, trained or written)."""
-    from storyrl.training.guards import check_weight_files, finished_history
+    from storyrl.training.guards import finished_history
 
     checkpoint = resume_checkpoint(config.output_dir, resume, config.max_steps)
     history = finished_history(config, config_file) if resume else None
@@ -434,7 +434,6 @@ def train_to_final(config, build_trainer, resume: bool, progress: bool, config_f
         logger.info("resume: %s/final holds this run, finished at step %d; nothing to do", config.output_dir,
                     history[-1]["step"])
         return FinishedRun(history)
-    check_weight_files(config.model)  # a corrupted file is named (from_pretrained's error names none)
     trainer = build_trainer(config, progress)
     if hasattr(config, "max_length") and len(trainer.train_dataset) == 0:
         raise ValueError(f"max_length {config.max_length}: no training example is left once TRL's preprocessing "
