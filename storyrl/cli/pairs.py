@@ -156,18 +156,14 @@ def pairs_cmd(stories, vhed, vist_edit, metrics, configs, min_margin, prompt, ou
 
 def _base_model(policy: str) -> str:
     """The model a policy directory's LoRA adapters sit on (the policy itself otherwise)."""
-    import json
+    from storyrl.models.pretrained import adapter_base, is_adapter_dir
 
-    adapter = Path(policy) / "adapter_config.json"
-    if not adapter.is_file():
+    if not is_adapter_dir(policy):
         return policy
     try:
-        base = json.loads(adapter.read_text(encoding="utf-8")).get("base_model_name_or_path")
-    except (OSError, ValueError, AttributeError) as exc:
-        _fail(f"--policy {policy}: cannot read {adapter.name}: {exc}")
-    if not base:
-        _fail(f"--policy {policy}: {adapter.name} names no base model (base_model_name_or_path)")
-    return base
+        return adapter_base(policy)[0]
+    except ValueError as exc:
+        _fail(f"--policy {policy}: {exc}")
 
 
 def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrite, resume, batch_size,
