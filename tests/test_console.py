@@ -22,7 +22,7 @@ from storyrl import console
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIABLES = ("STORYRL_VERBOSE", "TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY", "DATASETS_VERBOSITY",
-             "HF_HUB_DISABLE_PROGRESS_BARS")
+             "HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS")
 
 
 def clean_env(**extra) -> dict:
@@ -333,3 +333,74 @@ def test_quiet_progress_callback_ends_at_max_steps_also_after_a_resume(monkeypat
     callback.on_train_end(None, state, None)
     assert seen == list(range(resumed_at + 1, 6))  # the bar follows global_step, one step at a time
     assert bar.n == 5 and "5/5" in stream.getvalue()
+
+
+# -- the datasets library's bars, log records' format, the examples' scripts (issue 31 item 13) ----
+
+DATASETS_BARS = ("Map", "Tokenizing", "examples/s", "Truncating", "Filter")
+
+
+def test_sft_shows_no_datasets_bars_unless_verbose(tmp_path):
+    """``storyrl train sft`` (1 step, tiny policy), default, -q and --verbose
+    at once: TRL's tokenizing and storyrl's own map are datasets' bars."""
+    images = [str(p) for p in write_images(tmp_path / "images", 3)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": " ".join(TAPM_TEXTS[k:k + 2]),
+                                        "images": images}) + "\n" for k in range(4)))
+    p1 = "Write a story using exactly three sentences for this image sequence. Do not use more than three sentences."
+    policy = save_tiny_llama(tmp_path / "llama", [*TAPM_TEXTS, p1])
+    flags = {"default": [], "quiet": ["-q"], "verbose": []}
+    procs = {}
+    for mode, extra in flags.items():
+        config = tmp_path / f"{mode}.yaml"
+        config.write_text(json.dumps({"model": policy, "data": str(data), "output_dir": str(tmp_path / mode),
+                                      "prompt": "P1", "max_steps": 1, "batch_size": 2, "logging_steps": 1}))
+        top = ["--verbose"] if mode == "verbose" else []
+        procs[mode] = subprocess.Popen([sys.executable, "-m", "storyrl", *top, "train", "sft", "--config", str(config),
+                                        *extra], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    seen = {}
+    for mode, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        assert json.loads(stdout.splitlines()[-1])["steps"] == 1
+        seen[mode] = stderr
+    assert "Map" in seen["verbose"] and "Tokenizing" in seen["verbose"]  # the bars this run really has
+    for mode in ("default", "quiet"):
+        assert not [word for word in DATASETS_BARS if word in seen[mode]], seen[mode][-2000:]
+
+
+LIBRARY_BASIC_CONFIG = """
+import logging
+from storyrl.console import configure_output
+configure_output(VERBOSE)
+logging.warning("a library's own root warning")  # what open_clip does; it calls basicConfig without a handler
+logging.getLogger("storyrl.rewards.base").warning("bleu: unscorable story (no reference)")
+logging.getLogger("storyrl.rewards.base").info("not shown")
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_log_records_keep_the_console_format_after_a_library_logs_to_the_root_logger(verbose):
+    proc = subprocess.run([sys.executable, "-c", LIBRARY_BASIC_CONFIG.replace("VERBOSE", str(verbose))], cwd=ROOT,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["a library's own root warning", "bleu: unscorable story (no reference)"]
+
+
+def test_example_make_policy_prints_no_torchvision_fallback_warning(tmp_path):
+    """examples/rl/make_policy.py follows storyrl's output policy: the
+    fallback warning only with STORYRL_VERBOSE=1 (on a machine that needs the
+    fallback; elsewhere there is none either way)."""
+    script = ROOT / "examples" / "rl" / "make_policy.py"
+    procs = {verbose: subprocess.Popen([sys.executable, str(script), str(tmp_path / str(verbose)), "--steps", "1"],
+                                       cwd=ROOT, env=clean_env(**({"STORYRL_VERBOSE": "1"} if verbose else {})),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for verbose in (False, True)}
+    seen = {}
+    for verbose, proc in procs.items():
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        seen[verbose] = stderr
+    # seen[True] shows the warning where torchvision's ops do not load (as on this CPU machine)
+    assert "TorchvisionOpsFallbackWarning" not in seen[False], seen[False]
