@@ -445,6 +445,10 @@ def test_failures_of_earlier_requests_do_not_fail_a_later_one():
     (["--max-image-pixels", "0"], "max-image-pixels"),
     (["--image-root", "no/such/dir"], "image-root"),
     (["--fallback", "nan"], "not a finite number"),
+    (["--receive-timeout-s", "0"], "receive-timeout-s"),
+    (["--receive-timeout-s", "inf"], "receive-timeout-s"),
+    (["--receive-timeout-s", "nan"], "not a finite number"),
+    (["--max-connections", "0"], "max-connections"),
 ])
 def test_serve_refuses_bad_options(monkeypatch, args, message):
     monkeypatch.setattr(server_module, "serve", lambda *a, **k: pytest.fail("served with a bad option"))
@@ -461,7 +465,10 @@ def test_the_library_refuses_bad_settings(kwargs):
         create_app(Spy(), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_body_bytes": 0}, {"max_story_chars": 1.5}, {"image_root": "no/such/dir"}])
+@pytest.mark.parametrize("kwargs", [{"max_body_bytes": 0}, {"max_story_chars": 1.5}, {"image_root": "no/such/dir"},
+                                    {"receive_timeout_s": 0}, {"receive_timeout_s": math.inf},
+                                    {"receive_timeout_s": math.nan}, {"receive_timeout_s": "5"},
+                                    {"max_connections": 0}, {"max_connections": 2.0}, {"max_connections": True}])
 def test_limits_are_checked(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         Limits(**kwargs)
@@ -718,7 +725,8 @@ def test_every_serve_option_reaches_the_app_the_limits_and_the_server(monkeypatc
     args = ["--host", "127.0.0.2", "--port", "5123", "--token", "t0k", "--max-batch-size", "7",
             "--max-wait-ms", "12.5", "--timeout-s", "3.5", "--max-body-bytes", "4321",
             "--max-stories-per-request", "9", "--max-story-chars", "321", "--image-root", str(tmp_path),
-            "--max-image-pixels", "777", "--shutdown-timeout-s", "4.5", "--docs", "--fallback", "-2.5",
+            "--max-image-pixels", "777", "--receive-timeout-s", "7.5", "--max-connections", "55",
+            "--shutdown-timeout-s", "4.5", "--docs", "--fallback", "-2.5",
             "--log-level", "debug"]
     result = _invoke(args)
     assert result.exit_code == 0, result.output
@@ -727,9 +735,10 @@ def test_every_serve_option_reaches_the_app_the_limits_and_the_server(monkeypatc
     assert kwargs == {"max_batch_size": 7, "max_wait_ms": 12.5, "fallback": -2.5, "timeout_s": 3.5, "token": "t0k",
                       "docs": True, "limits": Limits(max_body_bytes=4321, max_stories_per_request=9,
                                                      max_story_chars=321, max_image_pixels=777,
-                                                     image_root=str(tmp_path))}
+                                                     image_root=str(tmp_path), receive_timeout_s=7.5,
+                                                     max_connections=55)}
     (app, served_kwargs), = served
-    assert app.state.reward is reward
+    assert app.state.reward is reward and app.state.limits is kwargs["limits"]
     assert served_kwargs == {"host": "127.0.0.2", "port": 5123, "log_level": "debug", "shutdown_timeout_s": 4.5}
     # the defaults arrive too
     made.clear(), served.clear()
@@ -790,3 +799,189 @@ def test_stopping_answers_a_request_that_waits_for_company():
             await asyncio.wait_for(job, 5)
 
     asyncio.run(main())
+
+
+# -- slow clients: the time to send a request, and the connections open -----------------------------
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> bytes:
+    """Reads until the server closes ``sock`` (sending ``drip`` a byte every
+    0.1 s meanwhile); returns what it answered. Fails after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    answer = b""
+    sock.settimeout(0.1)
+    while time.monotonic() < deadline:
+        try:
+            if drip:
+                sock.sendall(drip[:1])
+                drip = drip[1:] or drip  # the last byte again and again: never a whole request
+            chunk = sock.recv(4096)
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return answer
+        if not chunk:
+            return answer
+        answer += chunk
+    pytest.fail(f"the server kept the connection open for {seconds} s; got {answer!r}")
+
+
+@pytest.mark.parametrize("sent, drip", [
+    (b"", b""),  # connects and sends nothing
+    (b"POST /get_reward HTTP/1.1\r\n", b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"),  # headers, a byte at a time
+    (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\nContent-Type: application/json\r\n"
+     b"Content-Length: 100000\r\n\r\n", b'{"query": ["a story that never ends'),  # the body, a byte at a time
+])
+def test_a_request_not_sent_within_receive_timeout_s_is_closed_token_or_not(sent, drip):
+    """Bytes trickled every 0.1 s do not keep a connection: the request must
+    be in within receive_timeout_s, counted from the connection, and no
+    token is needed to hold a socket, so the bound holds with one too."""
+    spy = Spy()
+    with run_in_thread(create_app(spy, token="t0k", limits=Limits(receive_timeout_s=0.5))) as url:
+        with socket.create_connection(_address(url)) as sock:
+            sock.sendall(sent)
+            answer = _closed_within(sock, 10, drip)
+        assert answer == b"" if not sent else answer.startswith(b"HTTP/1.1 408 ")
+        if sent:
+            assert b"--receive-timeout-s" in answer
+        assert info(url, headers={"Authorization": "Bearer t0k"}, timeout=5)["stats"]["receive_timeouts"] == 1
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+    assert spy.calls == []
+
+
+def test_the_next_request_on_a_kept_alive_connection_is_timed_from_the_answer():
+    with run_in_thread(create_app(Spy(), limits=Limits(receive_timeout_s=0.5))) as url:
+        with socket.create_connection(_address(url)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(5)
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):
+                first += sock.recv(4096) or pytest.fail(f"closed after {first!r}")
+            assert first.startswith(b"HTTP/1.1 200 ")
+            # uvicorn's own keep-alive timer restarts with every byte: this drip would hold it for ever
+            answer = _closed_within(sock, 10, b"GET /health HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaa")
+        assert answer.startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_request_received_in_time_is_not_cut_while_the_reward_scores_it():
+    spy = Spy()
+    with run_in_thread(create_app(spy, limits=Limits(receive_timeout_s=0.3))) as url:
+        answer = {}
+        client = threading.Thread(target=lambda: answer.setdefault("r", post(url, {"query": ["WAIT here. WAIT."]})))
+        client.start()
+        _until(lambda: spy.calls)
+        time.sleep(1.0)  # three times receive_timeout_s, the request being scored
+        spy.gate.set()
+        client.join(8)
+        assert not client.is_alive() and answer["r"].status_code == 200
+        assert "receive_timeouts" not in info(url, timeout=5)["stats"]
+
+
+def test_past_max_connections_a_new_one_closes_the_oldest_still_sending():
+    """20 half-sent requests against max_connections 3 (and a receive time
+    of a minute): /health gets in at once, the oldest slow sockets are
+    closed; a connection whose request is being scored is never the one
+    closed, and when all are, the newcomer gets 503."""
+    spy = Spy()
+    app = create_app(spy, max_wait_ms=0, limits=Limits(receive_timeout_s=60, max_connections=3))
+    with run_in_thread(app) as url:
+        held = _hold_the_worker(url, spy)  # one connection answering
+        slow = [socket.create_connection(_address(url)) for _ in range(20)]
+        for sock in slow:
+            sock.sendall(b"GET /heal")
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+        stats = info(url, timeout=5)["stats"]
+        assert stats["evicted_connections"] >= 18 and not stats.get("refused_connections")
+        for sock in slow[:15]:  # the oldest are gone
+            answer = _closed_within(sock, 10)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 503 ")
+            sock.close()
+        for sock in slow[15:]:
+            sock.close()
+        # every connection busy with a request being scored: a newcomer is refused
+        busy = [threading.Thread(target=post, args=(url, {"query": [f"WAIT {i}. WAIT."]})) for i in range(2)]
+        for thread in busy:
+            thread.start()
+        _until(lambda: app.state.batcher.stats["requests"] == 3)  # (asking /info would take a connection)
+        refused = httpx.get(f"{url}/health", timeout=5)
+        assert refused.status_code == 503 and "--max-connections" in refused.json()["detail"]
+        spy.gate.set()
+        for thread in [held, *busy]:
+            thread.join(8)
+            assert not thread.is_alive()
+        assert info(url, timeout=5)["stats"]["refused_connections"] >= 1
+    assert spy.calls[0] == 1  # the held request was scored, not closed
+
+
+_LOW_FILE_LIMIT = 512
+
+
+def test_half_sent_requests_beyond_the_file_limit_leave_health_answering(tmp_path):
+    """The issue's case, smaller: `storyrl serve` under a file limit of 512
+    and 700 half-sent requests (no token needed). Without a connection cap
+    the server runs out of files and stops accepting -- /health included --
+    until the sockets close; with it (here 512 - 256 - 64 = 192 by default:
+    files for a backlog's burst and the server's own) /health answers at
+    once and no accept runs out of files."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1000:
+        if hard != resource.RLIM_INFINITY and hard < 1000:
+            pytest.skip(f"this process may open only {hard} files")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1000, hard))
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (_LOW_FILE_LIMIT, _LOW_FILE_LIMIT))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "log.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "storyrl", "serve", "--config",
+                                 str(REPO / "configs/rewards/repetition.yaml"), "--port", str(port),
+                                 "--log-level", "warning"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                preexec_fn=low_limit)
+    slow = []
+    try:
+        _until(lambda: proc.poll() is not None or _healthy(url), timeout=60)
+        assert proc.poll() is None, log.read_text()
+        for _ in range(700):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            sock.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{")
+            slow.append(sock)
+        assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
+        assert info(url, timeout=5)["stats"]["evicted_connections"] >= 700 - 192
+    finally:
+        for sock in slow:
+            sock.close()
+        proc.kill()
+        proc.wait(10)
+    assert "Too many open files" not in log.read_text()
+
+
+def test_an_explicit_max_connections_beyond_the_file_limit_is_refused(monkeypatch):
+    import resource
+
+    from storyrl.integrations.serve_guards import connection_budget
+
+    set_to = []
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, 1024))
+    monkeypatch.setattr(resource, "setrlimit", lambda which, limits: set_to.append(limits))
+    monkeypatch.setattr(server_module, "serve", lambda *a, **k: pytest.fail("served past the file limit"))
+    result = _invoke(["--max-connections", "2000"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "--max-connections" in result.output and "at most 1024 (ulimit -Hn)" in result.output
+    assert "--max-connections 704 or less" in result.output and set_to == []
+    # within the hard limit the soft one is raised to hold it (plus 256 + 64); the default fits the hard limit
+    assert connection_budget(600) == 600 and set_to == [(920, 1024)]
+    assert connection_budget(None) == 704 and set_to[-1] == (1024, 1024)
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (100_000, resource.RLIM_INFINITY))
+    assert connection_budget(None) == 1000 and len(set_to) == 2

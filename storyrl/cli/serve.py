@@ -51,6 +51,13 @@ class _Finite(click.FloatRange):
                    "Without it, requests naming images get 422.")
 @click.option("--max-image-pixels", default=40_000_000, show_default=True, type=click.IntRange(min=1),
               help="Larger images (width x height, from the header) make their story unscorable, undecoded.")
+@click.option("--receive-timeout-s", default=30.0, show_default=True, type=_Finite(0, 3600, min_open=True),
+              help="Most seconds a client may take to send a request, headers and body, from connecting (or "
+                   "from the previous answer on its connection); then 408 and the connection closes.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=None,
+              help="Most connections open at once; one more closes the oldest one still sending its request. "
+                   "[default: 1000, fewer when the file limit (ulimit -Hn) is lower; the soft limit is raised "
+                   "to fit]")
 @click.option("--shutdown-timeout-s", default=10.0, show_default=True, type=_Finite(0, 3600),
               help="On SIGTERM/SIGINT, how long open requests may finish before they get 503.")
 @click.option("--prepare-data", type=_FILE, default=None,
@@ -63,8 +70,9 @@ class _Finite(click.FloatRange):
               type=click.Choice(["critical", "error", "warning", "info", "debug"]), help="uvicorn's log level.")
 def serve(config: Path, host: str, port: int, token: str | None, max_batch_size: int, max_wait_ms: float,
           timeout_s: float, max_body_bytes: int, max_stories_per_request: int, max_story_chars: int,
-          image_root: Path | None, max_image_pixels: int, shutdown_timeout_s: float, prepare_data: Path | None,
-          docs: bool, fallback: float | None, log_level: str) -> None:
+          image_root: Path | None, max_image_pixels: int, receive_timeout_s: float, max_connections: int | None,
+          shutdown_timeout_s: float, prepare_data: Path | None, docs: bool, fallback: float | None,
+          log_level: str) -> None:
     """Serve the reward of CONFIG over HTTP for OpenRLHF (--remote_rm_url
     http://HOST:PORT/get_reward) and other trainers: POST /get_reward with
     {"query": [...], "prompts": [...], "labels": [...]} answers {"rewards":
@@ -77,7 +85,7 @@ def serve(config: Path, host: str, port: int, token: str | None, max_batch_size:
     except ImportError as exc:
         _fail(f"storyrl serve needs FastAPI and uvicorn: pip install 'storyrl[serve]' ({exc})")
     from storyrl.integrations import resolve_fallback
-    from storyrl.integrations.serve_guards import is_loopback
+    from storyrl.integrations.serve_guards import connection_budget, is_loopback
     from storyrl.rewards import load_reward_config
 
     if token is not None and not token.strip():
@@ -85,7 +93,12 @@ def serve(config: Path, host: str, port: int, token: str | None, max_batch_size:
     fallback = resolve_fallback(fallback)
     limits = Limits(max_body_bytes=max_body_bytes, max_stories_per_request=max_stories_per_request,
                     max_story_chars=max_story_chars, max_image_pixels=max_image_pixels,
-                    image_root=None if image_root is None else str(image_root))
+                    image_root=None if image_root is None else str(image_root),
+                    receive_timeout_s=receive_timeout_s, max_connections=max_connections)
+    try:
+        connection_budget(max_connections)  # before the models load: a file limit too low fails at once
+    except ValueError as exc:
+        _fail(f"--max-connections: {exc}")
     reward = load_reward_config(config).setup()  # a bad config or model fails here, before listening
     if prepare_data is not None:
         from storyrl.integrations.server import prepare_for_data

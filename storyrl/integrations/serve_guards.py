@@ -7,6 +7,15 @@ authentication and the image root.
   the image root. Each refusal names the limit and the ``storyrl serve``
   option that sets it.
 * :class:`BodyLimit` and :class:`TokenAuth`: small ASGI middlewares.
+* :func:`guarded_protocol`: uvicorn's HTTP/1.1 protocol with the time to
+  receive a request (headers and body) bounded and the open connections
+  capped; :func:`connection_budget` fits the cap to the process file limit.
+  Neither can be an ASGI middleware: the app sees a request only once its
+  headers are in, and a socket that never sends them holds a file all the
+  same. (uvicorn has neither setting: its keep-alive timer restarts with
+  every byte; hypercorn bounds headers but not a trickled body, and caps no
+  connections; granian bounds headers and queues connections past its cap
+  unaccepted, /health with them.)
 * :class:`ImageGuard`: clients name images relative to the server's image
   root; nothing outside it is ever opened (absolute paths, ``..`` and
   symlinks leading out are a 422 naming the label), and an image over the
@@ -21,17 +30,30 @@ import ipaddress
 import json
 import math
 import os
+import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from storyrl.images.loading import IMAGE_EXTENSIONS
 
-__all__ = ["BodyLimit", "ImageGuard", "Limits", "Refused", "TokenAuth", "is_loopback"]
+__all__ = ["BodyLimit", "ImageGuard", "Limits", "Refused", "TokenAuth", "connection_budget", "guarded_protocol",
+           "is_loopback"]
+
+log = logging.getLogger(__name__)
 
 MIB = 1 << 20
+#: Connections at most when max_connections is None (fewer when the file limit is lower).
+DEFAULT_MAX_CONNECTIONS = 1000
+#: The listen backlog, and so the most connections asyncio accepts at once, before any is
+#: counted against max_connections: their files must be free too.
+ACCEPT_BACKLOG = 64
+#: Files kept free beside the connections and a backlog's burst: the listening socket, logs, the
+#: reward's own files.
+FD_RESERVE = 64
+_SPARE = 4 * ACCEPT_BACKLOG + FD_RESERVE
 #: Images one label may name (each is checked on disk); not an option.
 MAX_IMAGES_PER_LABEL = 256
 
@@ -48,19 +70,31 @@ class Refused(Exception):
 @dataclass(frozen=True)
 class Limits:
     """The server's limits (defaults = ``storyrl serve``'s). ``image_root``
-    None: requests naming images are refused."""
+    None: requests naming images are refused. ``receive_timeout_s``: the
+    most seconds a client may take to send a request, headers and body,
+    counted from its connection or from the previous answer on it;
+    ``max_connections``: connections open at once (None: 1000, or fewer
+    when the process file limit is lower; see :func:`connection_budget`)."""
 
     max_body_bytes: int = 16 * MIB
     max_stories_per_request: int = 1024
     max_story_chars: int = 20_000
     max_image_pixels: int = 40_000_000
     image_root: str | None = None
+    receive_timeout_s: float = 30.0
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_stories_per_request", "max_story_chars", "max_image_pixels"):
+        for name in ("max_body_bytes", "max_stories_per_request", "max_story_chars", "max_image_pixels",
+                     "max_connections"):
             value = getattr(self, name)
+            if value is None and name == "max_connections":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        value = self.receive_timeout_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"receive_timeout_s must be a finite number > 0, got {value!r}")
         if self.image_root is not None and not Path(self.image_root).is_dir():
             raise ValueError(f"image_root: no such directory {self.image_root}")
 
@@ -157,6 +191,140 @@ class TokenAuth:
             return await _send_json(send, 401, "missing or wrong token: send 'Authorization: Bearer <token>' "
                                     "(the server's --token / STORYRL_SERVE_TOKEN)", [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
+
+
+def connection_budget(max_connections: int | None) -> int:
+    """The connection cap for ``max_connections`` (None: the default, lowered
+    to fit the hard file limit), with the process's soft file limit raised
+    to hold it plus a burst of :data:`ACCEPT_BACKLOG` accepted connections
+    and :data:`FD_RESERVE` (a server out of files stops accepting, /health
+    included). ValueError when the hard limit is too low for an explicit
+    cap."""
+    try:
+        import resource
+    except ImportError:  # no POSIX file limits (Windows)
+        return max_connections or DEFAULT_MAX_CONNECTIONS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if max_connections is None:
+        n = DEFAULT_MAX_CONNECTIONS if hard == unlimited else min(DEFAULT_MAX_CONNECTIONS, hard - _SPARE)
+        if n < 1:
+            raise ValueError(f"this process may open only {hard} files (ulimit -Hn); the server needs more than "
+                             f"{_SPARE}")
+    else:
+        n = max_connections
+        if hard != unlimited and n + _SPARE > hard:
+            raise ValueError(f"max_connections {n} needs {n + _SPARE} open files, but this process may open at "
+                             f"most {hard} (ulimit -Hn): set --max-connections {max(hard - _SPARE, 1)} or less, "
+                             "or raise the limit")
+    if soft != unlimited and soft < n + _SPARE:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n + _SPARE, hard))
+        log.info("raised the open-file limit from %d to %d for %d connections", soft, n + _SPARE, n)
+    return n
+
+
+def guarded_protocol(receive_timeout_s: float, max_connections: int, stats: Counter | None = None) -> type:
+    """uvicorn's h11 protocol class (``uvicorn.Config(http=...)``) for one
+    server, adding two bounds:
+
+    * A request (headers and body) must be in within ``receive_timeout_s`` of
+      the connection opening, or of the previous answer on a kept-alive
+      connection; past it the client gets 408 and the connection closes. A
+      fully received request is not timed here (the reward call has its own
+      limit).
+    * At most ``max_connections`` are open: one more closes the oldest
+      connection still sending its request (503), so slow or idle clients
+      cannot starve new ones; when every open connection has a request in
+      progress, the newcomer gets 503 and is closed.
+
+    ``stats`` counts ``receive_timeouts``, ``evicted_connections`` and
+    ``refused_connections``."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    stats = Counter() if stats is None else stats
+    receiving: OrderedDict = OrderedDict()  # connections still sending a request, oldest first
+    warned: set[str] = set()
+
+    def count(kind: str, message: str) -> None:
+        stats[kind] += 1
+        if kind not in warned:  # once per kind: a flood must not flood the log too; /info counts
+            warned.add(kind)
+            log.warning("%s (counted as %s in /info)", message, kind)
+
+    class GuardedH11Protocol(H11Protocol):
+        _deadline = None
+        _partial = False  # bytes of a request came in this window (else the connection is idle)
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                oldest = next(iter(receiving), None)
+                if oldest is None:
+                    count("refused_connections", f"{max_connections} connections open, each with a request in "
+                          "progress: refusing new ones (--max-connections)")
+                    self._close(503, f"the server has {max_connections} connections open (--max-connections); "
+                                     "retry later", idle_too=True)
+                    return
+                count("evicted_connections", f"{max_connections} connections open: closing the oldest one still "
+                      "sending its request for each new one (--max-connections)")
+                oldest._close(503, f"closed to make room: the server has {max_connections} connections open "
+                                   "(--max-connections) and this one had not sent its request")
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._partial = True
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._deadline is not None and self.conn.their_state not in (h11.IDLE, h11.SEND_BODY):
+                self._disarm()  # the request is in (or the connection is done)
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._arm()  # the next request's time starts with this answer
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(receive_timeout_s, self._expired)
+            self._partial = False
+            receiving[self] = None
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            receiving.pop(self, None)
+
+        def _expired(self) -> None:
+            self._deadline = None
+            count("receive_timeouts", f"a client did not send its request within {receive_timeout_s:g} s: "
+                  "closed (--receive-timeout-s)")
+            self._close(408, f"the request was not received within {receive_timeout_s:g} s (--receive-timeout-s)")
+
+        def _close(self, status: int, detail: str, idle_too: bool = False) -> None:
+            """Answer ``status`` to a half-sent request (unless the app has
+            begun an answer), then close. An idle connection closes without
+            one unless ``idle_too``: a client sending its next request just
+            then would read the answer as that request's."""
+            self._disarm()
+            if self.transport.is_closing():
+                return
+            idle = not idle_too and not self._partial and (self.cycle is None or self.cycle.response_complete)
+            if not idle and (self.cycle is None or self.cycle.response_complete or not self.cycle.response_started):
+                body = json.dumps({"detail": detail}).encode()
+                reason = {408: b"Request Timeout", 503: b"Service Unavailable"}[status]
+                self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                                     b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+            self.transport.close()  # the app, if it waits for the body, sees a disconnect
+
+    return GuardedH11Protocol
 
 
 class ImageGuard:

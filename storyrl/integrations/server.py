@@ -34,6 +34,13 @@ time (a request is its batch), and a request with a group of one story
 z-score would be 0. Requests lacking the human story for a reward that needs
 it are a 422 naming OpenRLHF's label flag.
 
+Slow clients: a request (headers and body) must arrive within
+``Limits.receive_timeout_s`` (408 and closed otherwise), and at most
+``Limits.max_connections`` are open: a new one closes the oldest connection
+still sending its request (see
+:func:`~storyrl.integrations.serve_guards.guarded_protocol`), so idle or
+trickling sockets cannot keep ``/health`` and real clients out.
+
 Heavy work never runs on the event loop: the body is parsed and checked in a
 thread, scoring in the reward thread. A client that disconnects before its
 batch starts is dropped unscored. On shutdown (SIGTERM / SIGINT) the server
@@ -63,7 +70,16 @@ from pydantic import BaseModel, ConfigDict, StrictStr, ValidationError
 import storyrl.integrations.scoring as _core
 from storyrl.integrations.batching import Busy, CallTimeout, Closing, RequestBatcher, _positive_finite
 from storyrl.integrations.openrlhf import check_company, check_labels, remote_reward_response, split_queries
-from storyrl.integrations.serve_guards import BodyLimit, ImageGuard, Limits, Refused, TokenAuth
+from storyrl.integrations.serve_guards import (
+    ACCEPT_BACKLOG,
+    BodyLimit,
+    ImageGuard,
+    Limits,
+    Refused,
+    TokenAuth,
+    connection_budget,
+    guarded_protocol,
+)
 from storyrl.rewards.base import one_line
 
 __all__ = ["Limits", "create_app", "run_in_thread", "serve"]
@@ -176,6 +192,7 @@ def create_app(reward, *, max_batch_size: int = 64, max_wait_ms: float = 10.0, f
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.batcher = batcher
     app.state.reward = reward
+    app.state.limits = limits  # serve() / run_in_thread() take the connection limits from here
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     if token is not None:
         app.add_middleware(TokenAuth, token=token)  # outermost: no body is read without the token
@@ -287,11 +304,25 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def _config(app, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """uvicorn's settings for ``app``: the h11 protocol guarded by the app's
+    receive_timeout_s and max_connections (:class:`Limits`, default ones
+    for an app not made by create_app); ValueError when the file limit
+    cannot hold max_connections."""
+    state = getattr(app, "state", None)
+    limits = getattr(state, "limits", None) or Limits()
+    batcher = getattr(state, "batcher", None)
+    protocol = guarded_protocol(limits.receive_timeout_s, connection_budget(limits.max_connections),
+                                batcher.stats if batcher is not None else None)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol,
+                          backlog=ACCEPT_BACKLOG)
+
+
 def serve(app, host: str = "127.0.0.1", port: int = 5000, log_level: str = "info",
           shutdown_timeout_s: float = 10.0) -> None:
     """Serve ``app`` until SIGTERM / SIGINT, then shut down within about
     ``shutdown_timeout_s`` + 2 seconds."""
-    _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"), shutdown_timeout_s).run()
+    _Server(_config(app, host, port, log_level), shutdown_timeout_s).run()
 
 
 @contextmanager
@@ -299,8 +330,7 @@ def run_in_thread(app, host: str = "127.0.0.1", port: int = 0, log_level: str = 
                   shutdown_timeout_s: float = 10.0):
     """Serve ``app`` with uvicorn in a background thread; yields the base URL
     (``port`` 0 = a free port). For tests, notebooks and benchmarks."""
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"),
-                     shutdown_timeout_s)
+    server = _Server(_config(app, host, port, log_level), shutdown_timeout_s)
     thread = threading.Thread(target=server.run, name="storyrl-serve", daemon=True)
     thread.start()
     try:
