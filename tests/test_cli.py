@@ -128,3 +128,32 @@ def test_readme_example_job(tmp_path):
     # the repetitive captioner is further from the human stories than the fluent model
     assert summaries[0]["d_hm"] > summaries[1]["d_hm"]
     assert {p.name for p in tmp_path.iterdir()} >= {"human.csv", "model_a.csv", "model_b.csv", "model_a_dhm.csv"}
+
+
+def test_ablate_counts_unscorable_stories_in_the_console_format(tmp_path, tiny_clip, images):
+    """Issue 31 item 13: no ``WARNING:storyrl...`` lines (the format
+    open_clip's root-logger call used to leave behind) and no line per
+    story; one count per metric and reason instead."""
+    human = ["The dog ran to the park. It saw a red car.", "We ate cake at home. Then we went to sleep.",
+             "They walked by the tree. The sky was blue.", "We had a party. It was a great day."]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": s, "images": images}) + "\n"
+                            for k, s in enumerate(human)))
+    model = {"s0": "The dog ran. The dog ran to the car.", "s1": "A party.", "s2": "Cake.", "s3": "A cat. A cat sat."}
+    stories = tmp_path / "model.json"
+    stories.write_text(json.dumps(model))
+    config = tmp_path / "ablation.yaml"
+    config.write_text(json.dumps({
+        "output_dir": str(tmp_path / "out"), "stories": {"model": str(stories)},
+        "eval": {"data": str(data), "dimensions": ["repetition"], "metrics": [
+            "repetition", "bleu", {"reward": "clipscore", "clip_model": tiny_clip, "clip_pretrained": None,
+                                   "device": "cpu"}]}}))
+    env = {k: v for k, v in os.environ.items() if k not in ("STORYRL_VERBOSE", "STORYRL_DEBUG")}
+    done = subprocess.run([sys.executable, "-m", "storyrl", "ablate", "--config", str(config), "-q"], cwd=REPO,
+                          env={**env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert not [line for line in lines if line.startswith("WARNING:") or "unscorable story" in line], done.stderr
+    # by hand: the human stories have no reference (bleu scores none of them); two model stories have one sentence
+    assert "ablate: the human stories: bleu: 4 unscorable: no reference" in lines
+    assert "ablate: model: repetition: 2 unscorable: fewer than 2 sentences" in lines
