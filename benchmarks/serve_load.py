@@ -70,7 +70,8 @@ def start_server(config: Path, port: int, args) -> subprocess.Popen:
         time.sleep(0.1)
 
 
-async def load(url: str, n_requests: int, clients: int, stories: int, offset: int) -> tuple[list[float], int, float]:
+async def load(url: str, n_requests: int, clients: int, stories: int, offset: int,
+               timeout_s: float = 120.0) -> tuple[list[float], int, float]:
     import httpx
 
     bodies = []
@@ -85,7 +86,7 @@ async def load(url: str, n_requests: int, clients: int, stories: int, offset: in
 
     async def client() -> None:
         nonlocal failures
-        async with httpx.AsyncClient(timeout=120) as http:
+        async with httpx.AsyncClient(timeout=timeout_s) as http:
             for r in next_request:
                 start = time.perf_counter()
                 try:
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stories", type=int, default=4, help="stories per request")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-wait-ms", type=float, default=10.0)
+    parser.add_argument("--timeout-s", type=float, default=120.0,
+                        help="a request unanswered this long is a failure")
     parser.add_argument("--json", type=Path, default=None, help="write the figures as JSON")
     args = parser.parse_args(argv)
     import httpx
@@ -124,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     proc = start_server(args.config, port, args)
     try:
         if args.warmup:
-            asyncio.run(load(url, args.warmup, args.clients, args.stories, 0))
+            asyncio.run(load(url, args.warmup, args.clients, args.stories, 0, args.timeout_s))
         before = httpx.get(f"{url}/info").json()
-        latencies, failures, wall = asyncio.run(load(url, args.requests, args.clients, args.stories, args.warmup))
+        latencies, failures, wall = asyncio.run(load(url, args.requests, args.clients, args.stories, args.warmup,
+                                                     args.timeout_s))
         after = httpx.get(f"{url}/info").json()
     finally:
         proc.send_signal(signal.SIGTERM)

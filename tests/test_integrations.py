@@ -364,11 +364,17 @@ class _CallSpy(Reward):
         return np.array([float(len(s)) for s in stories])
 
 
-def _gather(calls):
+#: The longest a gather of verl calls may take here: far above the batching waits these tests use
+#: (verl's 5 ms default, 200 ms), far below what a batcher reading them as seconds would take.
+WAIT_S = 4.0
+
+
+def _gather(calls, timeout: float = WAIT_S):
+    """The calls' results, run concurrently on one loop; TimeoutError past ``timeout``."""
     import asyncio
 
     async def main():
-        return await asyncio.gather(*calls())
+        return await asyncio.wait_for(asyncio.gather(*calls()), timeout)
 
     return asyncio.run(main())
 
@@ -378,12 +384,13 @@ def test_verl_async_calls_of_one_loop_share_reward_calls(monkeypatch):
     monkeypatch.setattr(core, "reward_from_config", lambda config=None: spy)
     stories = [f"story {'x' * i}" for i in range(7)]
 
-    out = _gather(lambda: [verl.compute_score_async("v", s, None, storyrl_wait_ms=1000) for s in stories])
+    # a batch that never fills waits 1 s: 10 s bounds it (a batcher taking ms for s would wait 1000 s)
+    out = _gather(lambda: [verl.compute_score_async("v", s, None, storyrl_wait_ms=1000) for s in stories], 10)
     assert out == [float(len(s)) for s in stories]  # each call gets its own story's score
     assert len(spy.calls) == 1 and sorted(spy.calls[0]) == sorted(stories)
     spy.calls.clear()
     out = _gather(lambda: [verl.compute_score_async("v", s, None, storyrl_wait_ms=1000, storyrl_batch_size=3)
-                           for s in stories])
+                           for s in stories], 10)
     assert out == [float(len(s)) for s in stories]
     assert [len(c) for c in spy.calls] == [3, 3, 1]
     spy.calls.clear()
@@ -443,8 +450,10 @@ def test_a_remote_reward_config_works_in_verl_and_openrlhf(tmp_path):
 
     local = create_reward("dhm", dimensions=["repetition"])
     expected = with_fallback(local.score(STORIES, reference=HUMAN))
-    with run_in_thread(create_app(create_reward("dhm", dimensions=["repetition"]))) as url:
-        config = write(tmp_path, "remote.yaml", f"reward: remote\nurl: {url}\nsend_context: [reference]\n")
+    # the server's batching is not tested here (max_wait_ms 0); each request is bounded (timeout_s)
+    with run_in_thread(create_app(create_reward("dhm", dimensions=["repetition"]), max_wait_ms=0)) as url:
+        config = write(tmp_path, "remote.yaml", f"reward: remote\nurl: {url}\nsend_context: [reference]\n"
+                       f"timeout_s: {WAIT_S}\nretries: 0\n")
         sync = [verl.compute_score("v", s, h, storyrl_config=config) for s, h in zip(STORIES, HUMAN)]
         together = _gather(lambda: [verl.compute_score_async("v", s, h, storyrl_config=config)
                                     for s, h in zip(STORIES, HUMAN)])

@@ -1,7 +1,10 @@
 """``storyrl serve``: real HTTP on the loopback interface. Answers equal
 ``reward.score`` on the same stories, concurrent requests are batched onto
 one reward call each answered with its own scores, bad requests get a 4xx
-with a reason and a failing reward a 5xx, and the server keeps serving."""
+with a reason and a failing reward a 5xx, and the server keeps serving.
+Every wait is bounded (``WAIT_S`` for an answer), so a server that waits far
+too long -- a batcher reading ``max_wait_ms`` as seconds would hold each
+request 10 s -- fails a test instead of holding the suite."""
 
 from __future__ import annotations
 
@@ -81,8 +84,22 @@ def _no_env(monkeypatch):
     monkeypatch.delenv("STORYRL_REWARD_FALLBACK", raising=False)
 
 
+#: The longest a test waits for one answer (unless it sets its own): far above a normal answer here
+#: (milliseconds), below the 10 s a batcher reading the default max_wait_ms (10) as seconds would take.
+WAIT_S = 8.0
+
+
 def post(url, body, **kwargs):
-    return httpx.post(f"{url}/get_reward", json=body, timeout=30, **kwargs)
+    kwargs.setdefault("timeout", WAIT_S)
+    return httpx.post(f"{url}/get_reward", json=body, **kwargs)
+
+
+def _join(*threads: threading.Thread, timeout: float = 2 * WAIT_S) -> None:
+    """Waits for the threads; fails (rather than going on) if one is still running."""
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.01))
+        assert not thread.is_alive(), f"{thread.name} still waits after {timeout} s"
 
 
 def test_answers_equal_reward_score(monkeypatch):
@@ -153,8 +170,7 @@ def test_concurrent_requests_are_batched_each_answered_with_its_own_scores():
             thread.start()
         _until(lambda: httpx.get(f"{url}/info").json()["stats"]["requests"] == n_threads + 1)
         spy.gate.set()
-        for thread in threads + [held]:
-            thread.join(30)
+        _join(*threads, held)
         info = httpx.get(f"{url}/info").json()
     assert sorted(answers) == list(range(n_threads))
     for t in range(n_threads):
@@ -180,8 +196,7 @@ def test_requests_arriving_within_max_wait_share_a_call():
         threads = [threading.Thread(target=client, args=(t,)) for t in range(4)]
         for thread in threads:
             thread.start()
-        for thread in threads:
-            thread.join(30)
+        _join(*threads)
         elapsed = time.monotonic() - start
     assert spy.calls == [8]  # the first request waited for the others
     assert elapsed < 5
@@ -255,8 +270,7 @@ def test_a_failing_request_does_not_fail_the_requests_batched_with_it():
             thread.start()
         _until(lambda: httpx.get(f"{url}/info").json()["stats"]["requests"] == 4)
         spy.gate.set()
-        for thread in threads + [held]:
-            thread.join(30)
+        _join(*threads, held)
     assert results[0].status_code == 500 and "poisoned batch" in results[0].json()["detail"]
     for i in (1, 2):
         assert results[i].status_code == 200

@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import REPO
 from PIL import Image
-from test_serve import STORIES, Spy, _hold_the_worker, _until, expected, post, story
+from test_serve import STORIES, WAIT_S, Spy, _hold_the_worker, _join, _until, expected, post, story
 
 import storyrl.integrations.server as server_module
 from storyrl.cli import main
@@ -121,7 +121,7 @@ def test_parsing_runs_off_the_event_loop(monkeypatch):
         # the loop is free while a request is being parsed
         assert httpx.get(f"{url}/health", timeout=5).json() == {"status": "ok"}
         release.set()
-        client.join(30)
+        _join(client)
     assert results["r"].json()["rewards"] == pytest.approx(expected(STORIES))
 
 
@@ -184,7 +184,7 @@ def test_requests_of_clients_that_disconnected_are_not_scored():
             sock.close()
         _until(lambda: info(url)["stats"].get("disconnected") == 3)
         spy.gate.set()
-        held.join(30)
+        _join(held)
         assert post(url, {"query": STORIES}).json()["rewards"] == pytest.approx(expected(STORIES))
         assert info(url)["stats"]["dropped_requests"] == 3
     assert not any(s.startswith("GONE") for s in spy.stories), spy.stories
@@ -252,7 +252,7 @@ def test_a_signal_with_a_request_in_flight_stops_the_server_within_the_bound(tmp
         start = time.monotonic()
         proc.send_signal(sig)
         proc.wait(20)  # the bound is 1 s + 2 s; generous here
-        client.join(20)
+        _join(client)
         assert time.monotonic() - start < 20
     assert answer["r"].status_code == 503 and "shutting down" in answer["r"].json()["detail"], log.read_text()
 
@@ -389,8 +389,7 @@ def test_an_all_failing_request_gets_the_same_500_alone_and_batched():
             thread.start()
         _until(lambda: info(url)["stats"]["requests"] == 3)
         spy.gate.set()
-        for thread in threads + [held]:
-            thread.join(30)
+        _join(*threads, held)
         alone = post(url, {"query": failing})
     assert alone.status_code == 500 and "cannot score BAD" in alone.json()["detail"]
     assert results[0].status_code == 500 and results[0].json()["detail"] == alone.json()["detail"]
@@ -410,8 +409,7 @@ def test_unscorable_stories_get_the_fallback_alone_and_batched():
             thread.start()
         _until(lambda: info(url)["stats"]["requests"] == 3)
         spy.gate.set()
-        for thread in threads + [held]:
-            thread.join(30)
+        _join(*threads, held)
         alone = post(url, {"query": unscorable}).json()
     assert spy.calls[:2] == [1, 4]  # held, then the two requests in one call
     assert alone == results[0] == {"rewards": [0.0, 0.0], "scores": [0.0, 0.0],
@@ -513,7 +511,8 @@ def test_the_dhm_human_cache_keeps_the_recently_used_and_exactly_its_size():
 def test_the_load_benchmark_runs(tmp_path):
     out = tmp_path / "figures.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks/serve_load.py"), "--clients", "3", "--requests", "12",
-                    "--warmup", "2", "--json", str(out)], check=True, cwd=REPO, timeout=120, capture_output=True)
+                    "--warmup", "2", "--timeout-s", str(WAIT_S), "--json", str(out)],
+                   check=True, cwd=REPO, timeout=120, capture_output=True)
     figures = json.loads(out.read_text())
     assert figures["failures"] == 0 and figures["requests"] == 12 and figures["requests_per_s"] > 0
     assert figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
@@ -527,12 +526,12 @@ def test_a_body_of_exactly_the_limit_is_accepted_also_when_chunked():
     spy = Spy()
     with run_in_thread(create_app(spy, limits=Limits(max_body_bytes=len(data)))) as url:
         headers = {"content-type": "application/json"}
-        r = httpx.post(f"{url}/get_reward", content=data, headers=headers, timeout=30)  # Content-Length
+        r = httpx.post(f"{url}/get_reward", content=data, headers=headers, timeout=WAIT_S)  # Content-Length
         assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES)), r.text
         chunks = (data[k:k + 50] for k in range(0, len(data), 50))  # no Content-Length: counted while read
-        r = httpx.post(f"{url}/get_reward", content=chunks, headers=headers, timeout=30)
+        r = httpx.post(f"{url}/get_reward", content=chunks, headers=headers, timeout=WAIT_S)
         assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(expected(STORIES)), r.text
-        r = httpx.post(f"{url}/get_reward", content=(c for c in (data, b" ")), headers=headers, timeout=30)
+        r = httpx.post(f"{url}/get_reward", content=(c for c in (data, b" ")), headers=headers, timeout=WAIT_S)
         assert r.status_code == 413  # one byte more
     assert spy.calls == [len(STORIES), len(STORIES)]
 
@@ -659,7 +658,7 @@ def test_the_token_is_checked_before_the_body_size():
         big = {"query": ["A long story. " * 100]}
         r = post(url, big)  # Content-Length over the limit, no token
         assert r.status_code == 401, r.text
-        r = httpx.post(f"{url}/get_reward", content=(b"x" * 100 for _ in range(5)), timeout=30)  # chunked
+        r = httpx.post(f"{url}/get_reward", content=(b"x" * 100 for _ in range(5)), timeout=WAIT_S)  # chunked
         assert r.status_code == 401, r.text
         assert post(url, big, headers={"Authorization": "Bearer s3cret"}).status_code == 413
     assert spy.calls == []
@@ -672,14 +671,15 @@ def test_requests_queued_behind_a_call_past_the_time_limit_get_503_at_once():
     spy = Spy()
     with run_in_thread(create_app(spy, timeout_s=5, max_wait_ms=0)) as url:
         answers = {}
-        first = threading.Thread(target=lambda: answers.setdefault("a", post(url, {"query": ["WAIT here. WAIT."]})))
+        first = threading.Thread(target=lambda: answers.setdefault("a", post(url, {"query": ["WAIT here. WAIT."]},
+                                                                             timeout=20)))
         first.start()
         _until(lambda: spy.calls)  # the call runs (and waits for the gate)
         second = threading.Thread(target=lambda: answers.setdefault("b", post(url, {"query": STORIES})))
         second.start()
         # queued before the time limit: a request after it is refused without being counted
         _until(lambda: info(url)["stats"]["requests"] == 2, timeout=4.5)
-        first.join(20)
+        _join(first, timeout=20)
         assert answers["a"].status_code == 504
         second.join(8)  # the stuck call holds the gate for 20 s: only an answer given at once comes in time
         assert "b" in answers, "the queued request waited for the stuck call"
@@ -699,7 +699,7 @@ def test_a_lone_request_waits_max_wait_ms_for_company_then_is_scored():
         await batcher.start()
         try:
             start = time.monotonic()
-            scored = await asyncio.wait_for(batcher.submit(["a story."], [{}]), 30)
+            scored = await asyncio.wait_for(batcher.submit(["a story."], [{}]), 5)  # 400 s if read as seconds
             return time.monotonic() - start, scored
         finally:
             await batcher.stop()
@@ -772,7 +772,7 @@ def test_a_signal_during_a_short_call_lets_its_request_finish(tmp_path):
         answer, client = _in_flight(url, {"query": STORIES[:2]})
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        client.join(30)
+        _join(client)
     assert answer["r"].status_code == 200, (answer["r"].text, log.read_text())
     assert answer["r"].json()["rewards"] == [0.25, 0.25]
 
@@ -833,7 +833,7 @@ def _closed_within(sock: socket.socket, seconds: float, drip: bytes = b"") -> by
 
 @pytest.mark.parametrize("sent, drip", [
     (b"", b""),  # connects and sends nothing
-    (b"POST /get_reward HTTP/1.1\r\n", b"X-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"),  # headers, a byte at a time
+    (b"POST /get_reward HTTP/1.1\r\n", b"X-Slow: " + b"a" * 50),  # the headers, a byte at a time
     (b"POST /get_reward HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t0k\r\nContent-Type: application/json\r\n"
      b"Content-Length: 100000\r\n\r\n", b'{"query": ["a story that never ends'),  # the body, a byte at a time
 ])
