@@ -76,6 +76,7 @@ class Fake:
     def reset(self, handler):
         self.handler, self.bodies, self.headers = handler, [], []
         self.in_flight = self.max_in_flight = 0
+        self.generation = getattr(self, "generation", 0) + 1  # a handler an earlier test left running counts not
         self.health_status = 200
         self.health_answer = None  # a function giving GET /health's response, when set
 
@@ -88,12 +89,14 @@ class Fake:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        generation = self.generation
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             return await self.handler(body, len(self.bodies))
         finally:
-            self.in_flight -= 1
+            if generation == self.generation:
+                self.in_flight -= 1
 
 
 def words(body):
