@@ -91,18 +91,22 @@ def _configs(root: Path, name: str, config_class) -> dict[str, Path]:
     dummy_file, dummy_dir = root / "dummy.txt", root / "dummy_dir"
     dummy_file.write_text("{}\n", encoding="utf-8")
     dummy_dir.mkdir(exist_ok=True)
+    # A local model directory: telling a local policy's kind is part of
+    # checking a storyteller's config (a hub name is not read then).
+    model = root / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}), encoding="utf-8")
     values = {"output_dir": str(root / "locked_run")}
     for info in option_info(config_class):
+        if info.name == "model":
+            values["model"] = str(model)
         if not info.required or info.name in values:
             continue
-        if info.path == "dir":
-            values[info.name] = str(dummy_dir)
-        elif info.name == "rewards":
+        if info.name == "rewards":
             values[info.name] = ["repetition"]
-        else:  # files, and model names (a hub name is not read when the config is checked)
-            values[info.name] = str(dummy_file) if info.path else "gpt2"
-        if typing.get_origin(info.type) is list or info.type is list:
-            values[info.name] = [values[info.name]]
+        else:
+            value = str(dummy_dir) if info.path == "dir" else str(dummy_file)
+            values[info.name] = [value] if typing.get_origin(info.type) is list else value
     locked = root / f"{name}_locked.yaml"
     locked.write_text(json.dumps(values) + "\n", encoding="utf-8")  # JSON is YAML
     return {"config_error": bad, "locked": locked}
@@ -140,8 +144,11 @@ def measure(arguments: list[str], repeats: int, env: dict, timeout: float) -> di
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from storyrl.console import configure_output
     from storyrl.training import TRAINERS
     from storyrl.training.runs import lock_directory
+
+    configure_output()  # this process imports the trainers' modules: no library notices in the figures
 
     names = TRAINERS.names() if args.trainers is None else [n.strip() for n in args.trainers.split(",") if n.strip()]
     unknown = [n for n in names if n not in TRAINERS]
