@@ -170,6 +170,9 @@ def check_edge(assets, start: str, final: str, lora: dict, vlm: bool = False) ->
     assert kl(final_logp, start_logp) > 1e-7  # it trained
     adapters = Path(final) / "adapter_config.json"
     assert adapters.is_file() == (lora.get("enabled", False) and not lora.get("merge", False))
+    from storyrl.training.model_card import is_storyrl_card
+
+    assert is_storyrl_card(Path(final) / "README.md")  # every trainer's library call writes storyrl's card
     if adapters.is_file():
         assert json.loads(adapters.read_text())["base_model_name_or_path"] == start
 
@@ -306,6 +309,9 @@ def test_sft_adapters_to_reward_model_and_its_reward(assets, merge):
         "learning_rate": 5e-2, "seed": 0, "eval_fraction": 0.0, "max_length": 64, "include_prompt": False,
         "lora": {**LORA, "merge": merge}}), progress=False)
     final = out / "final"
+    from storyrl.training.model_card import is_storyrl_card
+
+    assert is_storyrl_card(final / "README.md")
     if not merge:
         assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == start
     # By hand: the SFT policy's transformer (W + (alpha/r) BA) under the trained score head and adapters.

@@ -290,6 +290,9 @@ def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = T
         (final / METADATA_FILE).write_text(json.dumps(
             {"max_length": config.max_length, "include_prompt": config.include_prompt, "prompt": prompt,
              "pairs": config.pairs}, indent=1), encoding="utf-8")
+        from storyrl.training.model_card import write_model_card
+
+        write_model_card(final, config, "reward_model", steps=trainer.state.global_step)
         config.to_yaml(final / CONFIG_FILE)
         entry = {"heldout_pairs": len(held), "heldout_accuracy": accuracy, "step": trainer.state.global_step}
         with (output / "history.jsonl").open("a", encoding="utf-8") as f:

@@ -218,7 +218,10 @@ def run_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: 
     if trainer.accelerator.is_main_process:
         if config.lora.enabled and config.lora.merge:
             merge_adapters(config, final, policy.kind)
-        config.to_yaml(final / CONFIG_FILE)
+        from storyrl.training.model_card import write_model_card
+
+        write_model_card(final, config, "rl", steps=result.steps)
+        config.to_yaml(final / CONFIG_FILE)  # last: final/ is complete
     return RLResult(algorithm="ppo", output_dir=config.output_dir, steps=result.steps, history=list(result.history))
 
 
