@@ -19,16 +19,18 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from storyrl.config import option
 from storyrl.rewards.coherence import MODES
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
-from storyrl.training.loop import FitResult, fit
 from storyrl.training.runs import guarded, process_state
+
+if TYPE_CHECKING:  # torch: imported where used, so `storyrl train coherence --help` stays fast
+    import torch
+
+    from storyrl.training.loop import FitResult
 
 __all__ = [
     "CoherenceTrainConfig",
@@ -146,6 +148,8 @@ class _SOPCollate:
         self.tokenizer, self.max_length = tokenizer, max_length
 
     def __call__(self, items: list[tuple[str, str, int]]) -> dict[str, torch.Tensor]:
+        import torch
+
         from storyrl.models.coherence import encode_pairs
 
         batch = encode_pairs(self.tokenizer, [(a, b) for a, b, _ in items], self.max_length)
@@ -155,6 +159,8 @@ class _SOPCollate:
 
 def sop_step(model, batch: dict[str, torch.Tensor]):
     """Cross-entropy over the two classes, plus the correct count."""
+    import torch
+
     logits = model(
         input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"]
     )
@@ -222,6 +228,8 @@ def train_coherence(
     ``init_from``'s directory or ``AutoTokenizer(tokenizer or base_model)``.
     """
     from accelerate.utils import set_seed
+
+    from storyrl.training.loop import fit
 
     texts = load_story_texts(config.stories)
     examples = build_sop_examples(texts, mode=config.mode, seed=config.seed)

@@ -37,17 +37,20 @@ import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from storyrl.config import option
 from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
-from storyrl.training.loop import FitResult, fit
 from storyrl.training.runs import guarded, process_state
+
+if TYPE_CHECKING:  # torch: imported where used, so `storyrl train cosmic --help` stays fast
+    import torch
+
+    from storyrl.training.loop import FitResult
 
 __all__ = ["CosmicTrainConfig", "TRAINER", "build_examples", "cosmic_step", "train_cosmic"]
 
@@ -150,6 +153,8 @@ class _Collate:
         self.image_emb, self.text_emb = image_emb, text_emb
 
     def __call__(self, items: list[tuple]) -> dict[str, torch.Tensor]:
+        import torch
+
         img, cand, ref, cl, rl, y = (list(col) for col in zip(*items))
         return {
             "image": torch.from_numpy(self.image_emb[img]),
@@ -163,6 +168,8 @@ class _Collate:
 
 def cosmic_step(model, batch: dict[str, torch.Tensor]):
     """MSE between the predicted score and the normalised rating."""
+    import torch
+
     inputs = {k: v for k, v in batch.items() if k != "rating"}
     pred = model(**inputs).float()
     return torch.nn.functional.mse_loss(pred, batch["rating"]), {}
@@ -196,6 +203,7 @@ def train_cosmic(config: CosmicTrainConfig, resume: bool = False, progress: bool
 
     from storyrl.judgements.raccoon import load_raccoon
     from storyrl.models.cosmic import CosmicHead, HeadConfig, cosmic_encoders, require_encoders
+    from storyrl.training.loop import fit
 
     # before the (slow) data load: an unreachable hub fails at once
     require_encoders(config.encoder_spec(), "set image_pretrained to a local weights file (--image-pretrained FILE) "

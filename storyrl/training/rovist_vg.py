@@ -37,19 +37,17 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch.utils.data import Dataset, Subset
+from typing import TYPE_CHECKING, Any
 
 from storyrl.config import option
-from storyrl.models.glove import GloVe, load_glove
-from storyrl.models.rovist_vg import DEFAULT_VIT, RovistVGModel
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
 from storyrl.training.runs import guarded
+
+if TYPE_CHECKING:  # torch: imported where used, so `storyrl train rovist_vg --help` stays fast
+    import torch
+
+    from storyrl.models.rovist_vg import RovistVGModel
 
 __all__ = [
     "PAIR_COLUMNS",
@@ -65,6 +63,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PAIR_COLUMNS = ("image", "bbox", "phrase")
+#: storyrl.models.rovist_vg.DEFAULT_VIT, spelt out: that module imports torch
+#: (tests/test_train_cli_startup.py checks that the two agree).
+DEFAULT_VIT = "vit_base_patch16_224"
 
 
 # -- loss -------------------------------------------------------------------------
@@ -73,6 +74,8 @@ PAIR_COLUMNS = ("image", "bbox", "phrase")
 def rovist_vg_loss(image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Tensor:
     """Algorithm 1's symmetric loss for ``m`` matching (region, noun) pairs,
     embeddings ``[m, d]`` (see the module docstring for the soft targets)."""
+    import torch.nn.functional as F
+
     image_emb, text_emb = image_emb.float(), text_emb.float()  # stable under autocast
     logits = text_emb @ image_emb.T
     labels = (image_emb @ image_emb.T + text_emb @ text_emb.T) / 2
@@ -85,6 +88,8 @@ def rovist_vg_loss(image_emb: torch.Tensor, text_emb: torch.Tensor) -> torch.Ten
 def rovist_vg_step(model, batch) -> tuple[torch.Tensor, dict[str, Any]]:
     """``fit``'s step: the loss plus in-batch text→region retrieval hits
     (``correct``/``n`` → ``train_acc``/``val_acc`` in the history)."""
+    import torch
+
     pixels, vectors = batch
     image_emb, text_emb = model(pixels, vectors)  # through forward, so DDP hooks run
     loss = rovist_vg_loss(image_emb, text_emb)
@@ -181,48 +186,13 @@ def pair_vocabulary(pairs: list[RegionPhrase]) -> set[str]:
     return {w for p in pairs for w in p.phrase.lower().split()}
 
 
-class RegionPhraseDataset(Dataset):
-    """``(pixels [3, H, W], phrase vector [word_dim])`` per pair with a GloVe
-    vector; ``skipped`` counts the pairs without one. Holds one vector per
-    distinct phrase, not per pair, and no GloVe table (picklable for workers)."""
+def __getattr__(name: str):
+    # RegionPhraseDataset subclasses torch's Dataset: loaded on first use
+    if name == "RegionPhraseDataset":
+        from storyrl.training.rovist_vg_data import RegionPhraseDataset
 
-    def __init__(self, pairs: list[RegionPhrase], glove: GloVe, transform) -> None:
-        self.transform = transform
-        phrase_row: dict[str, int] = {}
-        vectors: list[np.ndarray] = []
-        self.items: list[tuple[str, Any, int]] = []
-        self.skipped = 0
-        skipped_phrases: dict[str, int] = {}
-        for pair in pairs:
-            k = phrase_row.get(pair.phrase)
-            if k is None:
-                vec = glove.phrase_vector(pair.phrase)
-                if vec is None:
-                    self.skipped += 1
-                    skipped_phrases[pair.phrase] = skipped_phrases.get(pair.phrase, 0) + 1
-                    continue
-                k = phrase_row[pair.phrase] = len(vectors)
-                vectors.append(vec.astype(np.float32))
-            self.items.append((pair.image, pair.box, k))
-        self.vectors = np.stack(vectors) if vectors else np.zeros((0, glove.dim), np.float32)
-        if self.skipped:
-            common = sorted(skipped_phrases.items(), key=lambda kv: -kv[1])[:5]
-            log.warning(
-                "skipped %d of %d pairs whose phrase has no GloVe vector (e.g. %s)",
-                self.skipped,
-                len(pairs),
-                ", ".join(f"{p!r} x{n}" for p, n in common),
-            )
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, index: int):
-        from storyrl.images import Region, load_region
-
-        image, box, k = self.items[index]
-        pixels = self.transform(load_region(Region(image, box)))
-        return pixels, torch.from_numpy(self.vectors[k])
+        return RegionPhraseDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -- configuration and entry point -------------------------------------------------------
@@ -252,6 +222,8 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     """A seeded random (train, validation) split of ``range(n)``; both non-empty."""
     if n < 2:
         raise ValueError(f"need at least 2 usable pairs to split into training and validation, got {n}")
+    import torch
+
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
     n_val = min(n - 1, max(1, round(n * val_fraction)))
     return sorted(order[n_val:]), sorted(order[:n_val])
@@ -264,8 +236,13 @@ def train_rovist_vg(
     """Train RoViST-VG; the best model (lowest validation loss) is saved to
     ``output_dir/best`` in the reward's format. ``model`` replaces the one the
     config describes (e.g. a tiny one in tests). Returns the ``FitResult``."""
+    from torch.utils.data import Subset
+
+    from storyrl.models.glove import load_glove
     from storyrl.models.hub import require_hub_model, timm_hub_id
+    from storyrl.models.rovist_vg import RovistVGModel
     from storyrl.training.loop import fit
+    from storyrl.training.rovist_vg_data import RegionPhraseDataset
 
     hub_id = (timm_hub_id(config.vit, (config.timm_kwargs or {}).get("pretrained_cfg_overlay"))
               if model is None and config.pretrained_vit else None)

@@ -91,8 +91,9 @@ class StorytellerConfig(Config):
             self.prompting_config().template()
         except (TypeError, ValueError) as exc:
             problems.append(str(exc).replace("PromptingConfig: ", ""))
-        kind = self.policy_kind(read_hub=False)
-        if kind in ("causal_lm", "tapm") and self.setting in ("visual", "separate"):
+        # Telling a local model's kind imports transformers (seconds): only where it matters.
+        kind = self.policy_kind(read_hub=False) if self.setting in ("visual", "separate") else None
+        if kind in ("causal_lm", "tapm"):
             problems.append(f"setting {self.setting}: a {kind} policy sees no images; use setting text (or auto)")
         return problems
 

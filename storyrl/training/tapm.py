@@ -23,15 +23,15 @@ import logging
 import random
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.config import TrainConfig
-from storyrl.training.loop import FitResult, fit
 from storyrl.training.runs import guarded, process_state
+
+if TYPE_CHECKING:  # torch: imported where used, so `storyrl train tapm --help` stays fast
+    from storyrl.training.loop import FitResult
 
 __all__ = ["TapmTrainConfig", "train_tapm"]
 
@@ -96,6 +96,8 @@ class _Collate:
         self.P, self.start, self.eos, self.pad, self.max_length = prefix_length, start_id, eos_id, pad_id, max_length
 
     def __call__(self, examples) -> dict[str, Any]:
+        import torch
+
         B, G = len(examples), max(len(e.keys) for e in examples)
         types = self.store.types
         features = {t: torch.zeros(B, G, spec["tokens"], spec["dim"]) for t, spec in types.items()}
@@ -134,6 +136,8 @@ class _Step:
         self.stage, self.margin = stage, margin
 
     def __call__(self, model, batch):
+        import torch
+
         from storyrl.generators.tapm.losses import adaptation_loss
 
         tapm = _core(model)
@@ -226,6 +230,7 @@ def train_tapm(config: TapmTrainConfig, resume: bool = False, progress: bool = T
     from storyrl.generators.tapm.data import load_examples
     from storyrl.generators.tapm.features import FeatureStore
     from storyrl.training.checkpoints import find_checkpoint
+    from storyrl.training.loop import fit
 
     store = FeatureStore(config.features)
     examples = load_examples(config.stories)

@@ -46,15 +46,18 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.accelerators import MIXED_PRECISIONS
 from storyrl.training.config import TrainConfig
-from storyrl.training.loop import FitResult, fit
 from storyrl.training.runs import guarded, process_state
+
+if TYPE_CHECKING:  # torch: imported where used, so `storyrl train vrank --help` stays fast
+    import torch
+
+    from storyrl.training.loop import FitResult
 
 __all__ = [
     "VrankExample",
@@ -176,6 +179,8 @@ class _PairCollate:
         self.tokenizer, self.max_length = tokenizer, max_length
 
     def __call__(self, items: list[VrankExample]) -> dict[str, torch.Tensor]:
+        import torch
+
         from storyrl.models.vrank import encode_story_pairs
 
         batch = encode_story_pairs(self.tokenizer, [e[0] for e in items], [e[1] for e in items], self.max_length)
@@ -187,6 +192,8 @@ class _PairCollate:
 def vrank_step(model, batch: dict[str, torch.Tensor]):
     """MSE between predicted and human gaps, plus the pairs whose predicted
     sign matches the human one (a zero prediction is wrong)."""
+    import torch
+
     inputs = {k: v for k, v in batch.items() if k not in ("targets", "signs")}
     pred = model(**inputs).float()
     loss = torch.nn.functional.mse_loss(pred, batch["targets"])
@@ -247,6 +254,8 @@ def _build_model(config: VrankTrainConfig, model, tokenizer):
 
 def _evaluate(model, examples: list[VrankExample], tokenizer, config: VrankTrainConfig) -> dict[str, float]:
     """Loss and pair accuracy of ``model`` on ``examples`` (eval mode, fp32)."""
+    import torch
+
     collate = _PairCollate(tokenizer, config.max_length)
     device = next(model.parameters()).device
     model.eval()
@@ -273,6 +282,8 @@ def train_vrank(
     ``config.output_dir/best`` as a Vrank directory. ``model``/``tokenizer``
     replace the ones the config names (tests inject tiny ones)."""
     from accelerate.utils import set_seed
+
+    from storyrl.training.loop import fit
 
     train_pairs, val_pairs, test_pairs = _load_data(config)
     train = pair_examples(train_pairs, config.target, both_orders=True)

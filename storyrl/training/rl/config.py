@@ -31,9 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trl import GRPOConfig, RLOOConfig
-
-from storyrl.config import Config, check_type, first_nonfinite, option
+from storyrl.config import Config, ConfigError, ConfigTypeError, _bound_problem, check_type, first_nonfinite, option
 from storyrl.training.rl.ppo.config import PPOConfig, tracker_problems
 from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
@@ -66,12 +64,23 @@ class Algorithm:
     rewards, resume=, progress=, callbacks=)`` returns an
     :class:`~storyrl.training.rl.train.RLResult`), ``flowed`` the run-level
     keys (:data:`FLOWED_KEYS`) as its config takes them, ``callbacks``
-    whether its trainer calls transformers ``TrainerCallback`` objects."""
+    whether its trainer calls transformers ``TrainerCallback`` objects.
+    ``config_class`` may be a ``"module:Class"`` string, imported by
+    :meth:`config_type` when a config of the algorithm is built (TRL's
+    import takes seconds; ``--help`` and config errors need none of it)."""
 
-    config_class: type
+    config_class: type | str
     run: str
     flowed: Callable[[RLConfig], dict[str, Any]]
     callbacks: bool = True
+
+    def config_type(self) -> type:
+        if isinstance(self.config_class, type):
+            return self.config_class
+        import importlib
+
+        module, _, name = self.config_class.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     def runner(self) -> Callable[..., Any]:
         import importlib
@@ -85,8 +94,8 @@ class Algorithm:
 #: field of the same name holding its config.
 ALGORITHMS: dict[str, Algorithm] = {
     "ppo": Algorithm(PPOConfig, "storyrl.training.rl.train:run_ppo", _storyrl_flowed, callbacks=False),
-    "grpo": Algorithm(GRPOConfig, "storyrl.training.rl.train:run_trl", _trl_flowed),
-    "rloo": Algorithm(RLOOConfig, "storyrl.training.rl.train:run_trl", _trl_flowed),
+    "grpo": Algorithm("trl:GRPOConfig", "storyrl.training.rl.train:run_trl", _trl_flowed),
+    "rloo": Algorithm("trl:RLOOConfig", "storyrl.training.rl.train:run_trl", _trl_flowed),
 }
 
 
@@ -119,8 +128,10 @@ class RLConfig(StorytellerConfig):
                                    "text work (Reward.prepare); false: done inside the steps on first visits.")
     # -- the algorithms' own options -------------------------------------------------
     ppo: PPOConfig | None = option(None, "storyrl PPOConfig keys (algorithm ppo).", cli=False)
-    grpo: GRPOConfig | None = option(None, "TRL GRPOConfig keys (algorithm grpo).", cli=False)
-    rloo: RLOOConfig | None = option(None, "TRL RLOOConfig keys (algorithm rloo).", cli=False)
+    # GRPOConfig / RLOOConfig | None once built; typed Any so that reading
+    # the options (--help, option_info) does not import TRL.
+    grpo: Any = option(None, "TRL GRPOConfig keys (algorithm grpo).", cli=False)
+    rloo: Any = option(None, "TRL RLOOConfig keys (algorithm rloo).", cli=False)
 
     def __post_init__(self) -> None:
         # The nested configs are built here, not by the generic nested path,
@@ -133,6 +144,8 @@ class RLConfig(StorytellerConfig):
                 setattr(self, name, check_type(getattr(self, name), info.type))
             except TypeError as exc:
                 raise TypeError(f"{label}: key {name!r}: {exc}") from None
+        self._check_run_types()
+        self._check_run_problems()
         for name, algorithm in ALGORITHMS.items():
             value = getattr(self, name)
             if value is None and name != self.algorithm:
@@ -143,9 +156,35 @@ class RLConfig(StorytellerConfig):
             setattr(self, name, self._nested(name, algorithm, value))
         super().__post_init__()
 
+    def _check_run_types(self) -> None:
+        """The types of the other top-level keys, as Config.__post_init__
+        checks them, but before the algorithm's config is built: a wrong
+        type is reported without importing TRL (seconds)."""
+        label, word = self._label(), self._field_word
+        for info in _infos(type(self)):
+            if info.name in ALGORITHMS:
+                continue
+            try:
+                value = check_type(getattr(self, info.name), info.type)
+            except TypeError as exc:
+                raise ConfigTypeError(f"{word} {info.name!r}: {exc}", owner=label, option=info.name) from None
+            except ValueError as exc:  # a nested config's value
+                raise ConfigError(f"{word} {info.name!r}: {exc}", owner=label, option=info.name) from None
+            object.__setattr__(self, info.name, value)
+
+    def _check_run_problems(self) -> None:
+        """The top-level keys' bounds and the policy, data and prompt problems,
+        before the algorithm's config is built (a missing data file is
+        reported without importing TRL); the full check follows it."""
+        problems = [p for info in _infos(type(self))
+                    if info.name not in ALGORITHMS and (p := _bound_problem(info, getattr(self, info.name)))]
+        problems += StorytellerConfig._problems(self) + self._run_problems()
+        if problems:
+            raise ConfigError("; ".join(problems), owner=self._label())
+
     def _nested(self, name: str, algorithm: Algorithm, value: Any) -> Any:
         label = self._label()
-        cls, flowed = algorithm.config_class, algorithm.flowed(self)
+        cls, flowed = algorithm.config_type(), algorithm.flowed(self)
         if value is None:
             given = {}
         elif isinstance(value, Mapping):
@@ -187,7 +226,8 @@ class RLConfig(StorytellerConfig):
 
         return {"bf16": cuda_native_bf16()}
 
-    def _problems(self) -> list[str]:
+    def _run_problems(self) -> list[str]:
+        """The rewards' and trackers' problems (no algorithm config needed)."""
         problems = []
         if not self.rewards:
             problems.append("rewards: give at least one reward")
@@ -198,8 +238,10 @@ class RLConfig(StorytellerConfig):
             problems.append(f"reward_weights: every weight must be a finite number, got {self.reward_weights}")
         elif self.reward_weights is not None and not any(self.reward_weights):
             problems.append("reward_weights: every weight is 0; nothing would be optimised")
-        problems += tracker_problems(self.report_to)
-        problems += self._precision_problems()
+        return problems + tracker_problems(self.report_to)
+
+    def _problems(self) -> list[str]:
+        problems = self._run_problems() + self._precision_problems()
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             if self.algorithm != "ppo":
