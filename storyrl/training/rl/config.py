@@ -175,7 +175,7 @@ class RLConfig(StorytellerConfig):
     def _check_run_problems(self) -> None:
         """The top-level keys' bounds and the policy, data and prompt problems,
         before the algorithm's config is built (a missing data file is
-        reported without importing TRL); the full check follows it."""
+        reported without importing TRL); :meth:`_problems` adds the rest."""
         problems = [p for info in _infos(type(self))
                     if info.name not in ALGORITHMS and (p := _bound_problem(info, getattr(self, info.name)))]
         problems += StorytellerConfig._problems(self) + self._run_problems()
@@ -241,7 +241,9 @@ class RLConfig(StorytellerConfig):
         return problems + tracker_problems(self.report_to)
 
     def _problems(self) -> list[str]:
-        problems = self._run_problems() + self._precision_problems()
+        # What needs the built algorithm configs or the policy's kind; the
+        # other problems were refused by _check_run_problems before the build.
+        problems = self._precision_problems()
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             if self.algorithm != "ppo":
@@ -250,7 +252,7 @@ class RLConfig(StorytellerConfig):
             if self.lora.enabled or self.load_in_4bit:
                 problems.append("lora/load_in_4bit: a TAPM policy keeps the adapters and quantisation it was "
                                 "trained with (storyrl train tapm); leave them off here")
-        return super()._problems() + problems
+        return problems
 
     def _precision_problems(self) -> list[str]:
         """Precisions that cannot train here, refused now rather than coerced
