@@ -452,6 +452,11 @@ def test_remote_reward_checks_its_server(local_network, tmp_path):
     # A server that answers /health: present, exit 0.
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path.startswith("/moved"):  # a redirect to a page that answers 200
+                self.send_response(302)
+                self.send_header("Location", "/health")
+                self.end_headers()
+                return
             self.send_response(200 if self.path == "/health" else 500)
             self.end_headers()
             self.wfile.write(b'{"status": "ok"}')
@@ -465,6 +470,8 @@ def test_remote_reward_checks_its_server(local_network, tmp_path):
     try:
         url = f"http://127.0.0.1:{httpd.server_address[1]}"
         code, found = pieces("--config", str(_remote_config(tmp_path, url + "/")))
+        # A /health that redirects is not followed (nor is it by the reward's own setup): down.
+        moved_code, moved = pieces("--config", str(_remote_config(tmp_path, url + "/moved/get_reward")))
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -472,13 +479,14 @@ def test_remote_reward_checks_its_server(local_network, tmp_path):
     assert code == 0, found
     assert found[("server", f"{url}/health")]["where"] == f"{url}/health answers (HTTP 200)"
     assert found[("package", "httpx")]["present"]
+    assert moved_code == 1 and moved[("server", f"{url}/moved/health")]["where"] == f"{url}/moved/health answers HTTP 302"
 
 
-def _cpu_rl_config(tmp_path, extra: str = "") -> str:
+def _cpu_rl_config(tmp_path, extra: str = "", algorithm: str = "grpo") -> str:
     (tmp_path / "policy").mkdir(exist_ok=True)
     (tmp_path / "train.jsonl").write_text("{}\n")
     rl = tmp_path / "rl.yaml"
-    rl.write_text("algorithm: grpo\noutput_dir: out\ndata: train.jsonl\nmodel: policy\npolicy: causal_lm\n"
+    rl.write_text(f"algorithm: {algorithm}\noutput_dir: out\ndata: train.jsonl\nmodel: policy\npolicy: causal_lm\n"
                   "rewards: [repetition]\n" + extra)
     return str(rl)
 
@@ -495,13 +503,16 @@ def test_rl_config_that_trains_on_the_cpu_needs_no_gpu(env, tmp_path):
     ("load_in_4bit: true\nlora: {enabled: true}\n", "load_in_4bit"),
     ("grpo: {use_vllm: true}\n", "grpo.use_vllm"),
     ("grpo: {fp16: true}\n", "grpo.fp16"),
+    ("rloo: {use_vllm: true}\n", "rloo.use_vllm"),
+    ("rloo: {fp16: true}\n", "rloo.fp16"),
 ])
 def test_rl_config_asking_for_cuda_needs_gpu_torch(env, tmp_path, extra, key):
-    code, found = pieces("--config", _cpu_rl_config(tmp_path, extra))
+    algorithm = "rloo" if key.startswith("rloo") else "grpo"
+    code, found = pieces("--config", _cpu_rl_config(tmp_path, extra, algorithm))
     assert code == 1
     gpu = found[("torch", "cuda")]
     assert gpu["required"] and not gpu["present"] and gpu["needed_by"] == [f"rl.yaml ({key})"]
-    assert (("package", "vllm") in found) == (key == "grpo.use_vllm")
+    assert (("package", "vllm") in found) == key.endswith("use_vllm")
 
 
 def test_reward_on_a_cuda_device_needs_gpu_torch(env, tmp_path):

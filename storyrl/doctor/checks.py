@@ -51,15 +51,20 @@ def _check_spacy(piece: Piece) -> None:
 
 def _check_server(piece: Piece, timeout: float | None = None) -> None:
     """GET the server's /health, as the remote reward's own setup does: a
-    2xx answer, or 404/405 from a server without /health, is up."""
+    2xx answer, or 404/405 from a server without /health, is up; a redirect
+    is not followed (the reward does not follow one either)."""
     import urllib.error
     import urllib.request
 
     from storyrl.rewards.base import one_line
 
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):
+            return None  # the 3xx surfaces as an HTTPError with its own status
+
     url, timeout = piece.target, SERVER_TIMEOUT_S if timeout is None else timeout
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - the config's http(s) URL
+        with urllib.request.build_opener(NoRedirect).open(url, timeout=timeout) as response:
             status = response.status
     except urllib.error.HTTPError as exc:
         status = exc.code
@@ -70,7 +75,7 @@ def _check_server(piece: Piece, timeout: float | None = None) -> None:
         piece.present = False
         piece.where = f"down: {url}: {one_line(reason) if isinstance(reason, BaseException) else reason}"
         return
-    piece.present = status < 400 or status in (404, 405)
+    piece.present = 200 <= status < 300 or status in (404, 405)
     piece.where = f"{url} answers (HTTP {status})" if piece.present else f"{url} answers HTTP {status}"
 
 
