@@ -683,6 +683,21 @@ def test_prompt_text_leaves_the_bos_to_the_tokenizer():
     assert prompt_text(VLM_PROMPT, Tokenizer()) == f"[user] {PROMPT} [assistant]"
     assert prompt_text("as it is", Tokenizer()) == "as it is"
 
+    class NoBos(Tokenizer):  # the template writes a BOS the tokenizer does not add: it stays
+        def __call__(self, text):
+            return {"input_ids": list(range(2, 2 + len(text.split())))}
+
+    assert prompt_text(VLM_PROMPT, NoBos()) == f"<s>[user] {PROMPT} [assistant]"
+
+
+def test_one_conversation_written_with_its_keys_in_another_order_is_one_prompt():
+    from storyrl.training.reward_model import shared_prompt
+
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
+    reordered = [{"content": [{"text": PROMPT, "type": "text"}, {"type": "image"}][::-1], "role": "user"}]
+    rows = [{"prompt": conversation, "_line": 1}, {"prompt": reordered, "_line": 2}]
+    assert shared_prompt(rows, "p.jsonl") == conversation
+
 
 def test_a_conversation_the_template_cannot_render_is_one_line(assets, chat_model, tmp_path):
     from storyrl.training.reward_model import build_trainer

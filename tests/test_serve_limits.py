@@ -868,6 +868,20 @@ def test_the_next_request_on_a_kept_alive_connection_is_timed_from_the_answer():
         assert answer.startswith(b"HTTP/1.1 408 ")
 
 
+def test_an_idle_kept_alive_connection_closes_without_a_word():
+    """After an answer, a connection that sends nothing more is closed at
+    receive_timeout_s with no bytes: an unasked 408 would be read by a
+    pooled client as the answer to its next request."""
+    with run_in_thread(create_app(Spy(), limits=Limits(receive_timeout_s=0.5))) as url:
+        with socket.create_connection(_address(url)) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            sock.settimeout(5)
+            first = b""
+            while not first.endswith(b'{"status":"ok"}'):
+                first += sock.recv(4096) or pytest.fail(f"closed after {first!r}")
+            assert _closed_within(sock, 10) == b""
+
+
 def test_a_request_received_in_time_is_not_cut_while_the_reward_scores_it():
     spy = Spy()
     with run_in_thread(create_app(spy, limits=Limits(receive_timeout_s=0.3))) as url:
