@@ -56,6 +56,29 @@ def test_a_diverging_storyteller_run_stops_without_final(assets, tmp_path, kind,
     assert_no_final(tmp_path / "run")
 
 
+def test_steps_after_the_last_logged_one_are_checked_at_the_end(assets, tmp_path):
+    """transformers logs every logging_steps only (no forced log at
+    max_steps): a run that diverges after its last log is caught by the
+    end-of-training check, before final/."""
+    config, train = storyteller("sft", assets, tmp_path / "run", learning_rate=1e39, logging_steps=10,
+                                save_steps=10)
+    with pytest.raises(ValueError, match=DIVERGED):
+        train(config, progress=False)
+    assert_no_final(tmp_path / "run")
+    history = tmp_path / "run" / "history.jsonl"
+    assert not history.exists() or '"loss"' not in history.read_text()
+
+
+def test_the_diverged_step_leaves_no_history_record(assets, tmp_path):
+    """The guard runs before the log line is written: history.jsonl never
+    shows a step that was refused."""
+    config, train = storyteller("sft", assets, tmp_path / "run", learning_rate=1e39)
+    with pytest.raises(ValueError, match=DIVERGED):
+        train(config, progress=False)
+    history = tmp_path / "run" / "history.jsonl"
+    assert not history.exists() or not [line for line in history.read_text().splitlines() if '"loss"' in line]
+
+
 def test_a_nan_loss_stops_the_run_although_the_logged_loss_hides_it(assets, tmp_path, monkeypatch):
     """transformers' logging_nan_inf_filter logs the mean of the earlier
     losses in place of a NaN one: the weights tell."""

@@ -229,6 +229,22 @@ def test_a_planted_ppo_checkpoint_is_refused(rl_assets, tmp_path):
         train(longer, resume=True, progress=False)
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_a_checkpoint_past_max_steps_is_refused_on_a_finished_rl_run(rl_assets, tmp_path, algorithm):
+    """--resume on a finished RL run is a no-op, but not a way to hide a
+    checkpoint past max_steps planted beside it."""
+    config, train = rl(rl_assets, tmp_path / "run", algorithm)
+    train(config, progress=False)
+    run = tmp_path / "run"
+    planted = run / "checkpoint-99"
+    shutil.copytree(run / "checkpoint-1", planted)
+    key = "step" if algorithm == "ppo" else "global_step"
+    state = json.loads((planted / "trainer_state.json").read_text())
+    (planted / "trainer_state.json").write_text(json.dumps({**state, key: 99}))
+    with pytest.raises(ValueError, match=f"^{planted}: at step 99, past this run's max_steps 1"):
+        train(config, resume=True, progress=False)
+
+
 # -- unreadable files are named --------------------------------------------------------------------------
 
 
