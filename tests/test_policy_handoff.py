@@ -276,7 +276,7 @@ def test_an_adapter_chain_that_loops_or_names_no_base_is_one_line(tmp_path, asse
     loop = tmp_path / "loop"
     loop.mkdir()
     (loop / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(loop)}))
-    with pytest.raises(ValueError, match="loop"):
+    with pytest.raises(ValueError, match=f"form a loop or a chain longer than 16 \\({loop} -> {loop}\\)"):
         load_pretrained(AutoModelForCausalLM, str(loop))
     nobase = tmp_path / "nobase"
     nobase.mkdir()
@@ -373,3 +373,91 @@ def test_a_corrupted_file_anywhere_in_the_chain_is_named(assets, tmp_path, where
     bad.write_bytes(bad.read_bytes()[:100])
     with pytest.raises(ValueError, match=f"^{bad}: not a readable safetensors file"):
         load_pretrained(AutoModelForCausalLM, str(adapters))
+
+
+def test_adapters_as_a_ppo_value_model(assets):
+    """ppo.value_model may be a final/ of adapters: a plain trainable
+    sequence classifier whose body is the saved policy's."""
+    from storyrl.training.rl.ppo.value import load_value_model
+
+    value = load_value_model(assets["dpo_adapters"])
+    assert type(value).__name__ == "LlamaForSequenceClassification"
+    assert all(p.requires_grad for p in value.parameters())
+    hand = hand_policy(assets["dpo_adapters"])
+    body = dict(value.named_parameters())
+    assert all((body[n] - p).abs().max() < 1e-6 for n, p in hand.named_parameters() if n.startswith("model."))
+    assert value.config._name_or_path == value.name_or_path == assets["dpo_adapters"]
+
+
+def test_adapters_that_do_not_fit_their_base_are_one_line(assets, tmp_path):
+    """A base path overwritten by another model: the adapters' directory
+    is named, not a bare state-dict error."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from storyrl.models.pretrained import load_pretrained
+
+    base = tmp_path / "base"
+    wide = tmp_path / "wide"
+    save_tiny_llama(wide, TEXTS)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig.from_pretrained(wide)
+    config.hidden_size, config.intermediate_size = 64, 128
+    LlamaForCausalLM(config).save_pretrained(base)  # another model where the adapters' base was
+    adapters = tmp_path / "adapters"
+    shutil.copytree(assets["sft_adapters"], adapters)
+    meta = json.loads((adapters / "adapter_config.json").read_text())
+    (adapters / "adapter_config.json").write_text(json.dumps({**meta, "base_model_name_or_path": str(base)}))
+    with pytest.raises(ValueError, match=f"^{adapters}: cannot load the adapters on {base}: "):
+        load_pretrained(AutoModelForCausalLM, str(adapters))
+
+
+def test_the_adapters_own_tokenizer_wins_and_the_base_revision_is_the_recorded_one(assets, tmp_path):
+    import shutil
+
+    from storyrl.models.pretrained import processor_source
+
+    adapters = tmp_path / "adapters"
+    shutil.copytree(assets["sft_adapters"], adapters)
+    tokenizer_config = json.loads((adapters / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = "{{ 'edited' }}"
+    (adapters / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    (adapters / "chat_template.jinja").unlink(missing_ok=True)
+    assert processor_source(str(adapters)) == (str(adapters), None)
+    assert storyrl_policy(str(adapters), assets["data"]).tokenizer.chat_template == "{{ 'edited' }}"
+
+    # A hub base pinned in adapter_config.json loads at that revision.
+    hub = tmp_path / "hub_adapters"
+    hub.mkdir()
+    (hub / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "revision": "abc"}))
+    assert processor_source(str(hub)) == ("org/base", "abc")
+    seen = {}
+
+    class Auto:
+        @staticmethod
+        def from_pretrained(name, revision=None, **kwargs):
+            seen.update(name=name, revision=revision)
+            raise OSError("stop here")
+
+    from storyrl.models.pretrained import load_pretrained
+
+    with pytest.raises(OSError, match="stop here"):
+        load_pretrained(Auto, str(hub), revision="caller's")
+    assert seen == {"name": "org/base", "revision": "abc"}
+
+
+def test_new_adapters_record_the_policys_revision(assets):
+    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.rl.policy import lora_config
+
+    config = RLConfig.from_mapping({"model": assets["base"], "revision": "abc123", "data": assets["data"],
+                                    "output_dir": "unused", "rewards": ["rouge_l"], "prompt": "P1", "lora": LORA})
+    assert lora_config(config, "causal_lm").revision == "abc123"
+    from storyrl.training.reward_model import RewardModelRunConfig, _lora
+
+    reward_model = RewardModelRunConfig.from_mapping({"model": assets["base"], "revision": "abc123",
+                                                      "pairs": assets["pairs"], "output_dir": "unused",
+                                                      "lora": LORA})
+    assert _lora(reward_model).revision == "abc123"

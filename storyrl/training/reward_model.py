@@ -181,7 +181,7 @@ def _lora(config: RewardModelRunConfig):
     options = config.lora
     # SEQ_CLS: peft trains (and saves) the new score head in full beside the adapters.
     return LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
-                      target_modules=options.target_modules, task_type="SEQ_CLS")
+                      target_modules=options.target_modules, task_type="SEQ_CLS", revision=config.revision)
 
 
 def load_backbone(config: RewardModelRunConfig):

@@ -226,8 +226,10 @@ def lora_config(config, kind: str):
 
     options = config.lora
     exclude = _VISION_REGEX if kind == "vlm" and config.freeze_vision_tower else None
+    # revision: recorded in adapter_config.json, so the next command loads the base at the same commit.
     return LoraConfig(r=options.r, lora_alpha=options.alpha, lora_dropout=options.dropout,
-                      target_modules=options.target_modules, exclude_modules=exclude, task_type="CAUSAL_LM")
+                      target_modules=options.target_modules, exclude_modules=exclude, task_type="CAUSAL_LM",
+                      revision=config.revision)
 
 
 def merge_adapters(config, directory: str | Path, kind: str) -> None:
