@@ -8,33 +8,16 @@ Tiny random-weight models (tests/tiny_models.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
-from test_training_resume import P1, rl, rl_assets, storyteller  # noqa: F401  (rl_assets: a fixture)
-from tiny_models import TAPM_TEXTS, save_tiny_llama, write_images
+from test_training_resume import assets, rl, rl_assets, storyteller  # noqa: F401  (assets, rl_assets: fixtures)
 
 import storyrl  # noqa: F401  (torchvision fallback before trl/transformers)
 
 pytestmark = pytest.mark.usefixtures("trl_offline")
 
 DIVERGED = r"^step \d+: training diverged: "
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("finite")
-    images = [str(p) for p in write_images(root / "images", 3)]
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps({"story_id": f"s{k}", "story": " ".join(TAPM_TEXTS[k:k + 2]),
-                                        "images": images}) + "\n" for k in range(2)), encoding="utf-8")
-    pairs = root / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": P1.format(n="three"), "chosen": TAPM_TEXTS[k],
-                                         "rejected": TAPM_TEXTS[k + 2], "images": images, "story_id": f"s{k}"})
-                             + "\n" for k in range(2)), encoding="utf-8")
-    texts = [*TAPM_TEXTS, P1.format(n="three"), P1.format(n="four")]
-    return {"root": root, "data": str(data), "pairs": str(pairs), "model": save_tiny_llama(root / "llama", texts)}
 
 
 def assert_no_final(out) -> None:
