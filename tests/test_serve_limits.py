@@ -854,15 +854,20 @@ def test_a_request_not_sent_within_receive_timeout_s_is_closed_token_or_not(sent
     assert spy.calls == []
 
 
+def _health_answer(sock: socket.socket) -> bytes:
+    """GET /health on a kept-alive ``sock``; its whole answer (5 s at most per read)."""
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(5)
+    answer = b""
+    while not answer.endswith(b'{"status":"ok"}'):
+        answer += sock.recv(4096) or pytest.fail(f"closed after {answer!r}")
+    return answer
+
+
 def test_the_next_request_on_a_kept_alive_connection_is_timed_from_the_answer():
     with run_in_thread(create_app(Spy(), limits=Limits(receive_timeout_s=0.5))) as url:
         with socket.create_connection(_address(url)) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            sock.settimeout(5)
-            first = b""
-            while not first.endswith(b'{"status":"ok"}'):
-                first += sock.recv(4096) or pytest.fail(f"closed after {first!r}")
-            assert first.startswith(b"HTTP/1.1 200 ")
+            assert _health_answer(sock).startswith(b"HTTP/1.1 200 ")
             # uvicorn's own keep-alive timer restarts with every byte: this drip would hold it for ever
             answer = _closed_within(sock, 10, b"GET /health HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaa")
         assert answer.startswith(b"HTTP/1.1 408 ")
@@ -874,11 +879,7 @@ def test_an_idle_kept_alive_connection_closes_without_a_word():
     pooled client as the answer to its next request."""
     with run_in_thread(create_app(Spy(), limits=Limits(receive_timeout_s=0.5))) as url:
         with socket.create_connection(_address(url)) as sock:
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            sock.settimeout(5)
-            first = b""
-            while not first.endswith(b'{"status":"ok"}'):
-                first += sock.recv(4096) or pytest.fail(f"closed after {first!r}")
+            _health_answer(sock)
             assert _closed_within(sock, 10) == b""
 
 
