@@ -226,7 +226,7 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
 
     (reward,) = make_rewards(names, configs, reward_values)
     from storyrl.training.rl.data import load_data, prompt_rows
-    from storyrl.training.rl.policy import _load_trained
+    from storyrl.training.rl.policy import load_policy
 
     try:
         records = load_data(config)
@@ -238,7 +238,7 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
             _fail(f"--data {opts['data']}: story id {record.story_id!r} appears twice; each sequence needs its own id")
         seen.add(record.story_id)
     try:
-        loaded = _load_trained(config, policy, kind)
+        loaded = load_policy(config, kind, path=policy)
         rows = prompt_rows(config, records, kind, loaded.processing_class)
     except (TypeError, ValueError) as exc:
         _fail(f"--policy {policy}: {' '.join(str(exc).split())}")

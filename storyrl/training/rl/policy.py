@@ -257,13 +257,6 @@ def merge_adapters(config, directory: str | Path, kind: str) -> None:
 # -- generation from a trained policy ------------------------------------------------
 
 
-def _load_trained(config, policy_dir: str, kind: str) -> Policy:
-    """A trained policy directory: full weights, or LoRA adapters merged
-    into the base they were trained on (loaded as in training, 4-bit
-    included)."""
-    return load_policy(config, kind, path=policy_dir)
-
-
 def _max_new_tokens(config) -> int:
     algo = config.algorithm_config()
     if config.algorithm == "ppo":
@@ -296,7 +289,7 @@ def generate_stories(config, policy_dir: str, records: Sequence[StoryRecord], ba
     from storyrl.models.runtime import resolve_device
     from storyrl.training.rl.data import prompt_rows
 
-    policy = _load_trained(config, policy_dir, kind)
+    policy = load_policy(config, kind, path=policy_dir)  # weights, or adapters merged into their base
     model = policy.model
     if not config.load_in_4bit:
         model.to(resolve_device(device))
