@@ -461,3 +461,22 @@ def test_new_adapters_record_the_policys_revision(assets):
                                                       "pairs": assets["pairs"], "output_dir": "unused",
                                                       "lora": LORA})
     assert _lora(reward_model).revision == "abc123"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_an_adapter_chain_loads_in_reduced_precision(assets, dtype):
+    """The chain merges into a base loaded in fp16/bf16 (the precision
+    option's dtype): the weights are that dtype and the logits follow the
+    hand-built fp32 policy within the dtype's rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from storyrl.models.pretrained import load_pretrained
+
+    model = load_pretrained(AutoModelForCausalLM, assets["dpo_adapters"], dtype=getattr(torch, dtype)).eval()
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+    ids = probe_ids(assets["dpo_adapters"])
+    with torch.no_grad():
+        got = torch.log_softmax(model(input_ids=ids).logits.float(), -1).double()
+    expected = logprobs(hand_policy(assets["dpo_adapters"]), ids)
+    assert (got - expected).abs().max() < (0.05 if dtype == "bfloat16" else 0.01)
