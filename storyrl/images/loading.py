@@ -21,6 +21,8 @@ from typing import Any
 
 from PIL import Image
 
+from storyrl.images.decode_worker import READ_ERRORS, failure_reason, open_rgb
+
 Box = tuple[float, float, float, float]
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp")
@@ -131,21 +133,23 @@ def _source_name(source: Any) -> str:
 
 
 def _open_rgb(source: Any) -> Image.Image:
-    """The source decoded as RGB (ImageError if it cannot be read)."""
+    """The source decoded as RGB (ImageError if it cannot be read); a PIL
+    source is always copied, never touched."""
     try:
-        if _is_pil(source):
-            return source.convert("RGB")  # always a copy: the caller's image is never touched
-        with Image.open(source) as im:
-            return im.convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ImageError(_source_name(source), f"cannot read image: {reason}") from exc
+        return open_rgb(source)
+    except READ_ERRORS as exc:
+        raise ImageError(_source_name(source), failure_reason(exc)) from exc
 
 
-def _crop(image: Image.Image, region: Region) -> Image.Image:
+def crop_bounds(region: Region, width: int, height: int) -> tuple[int, int, int, int]:
+    """The integer box (x1, y1, x2, y2) that cropping ``region`` out of a
+    ``width`` x ``height`` image takes: the box clamped to the image and
+    rounded as PIL's ``crop`` rounds it, at least 1 pixel each way
+    (ImageError if it has zero area inside the image). The whole image for
+    ``box=None``."""
     if region.box is None:
-        return image
-    w, h = image.size
+        return 0, 0, width, height
+    w, h = width, height
     x1, y1, x2, y2 = region.box
     # Detector boxes may poke out of the image by a fraction of a pixel: clamp.
     cx1, cx2 = min(max(x1, 0.0), w), min(max(x2, 0.0), w)
@@ -163,7 +167,13 @@ def _crop(image: Image.Image, region: Region) -> Image.Image:
     if iy2 <= iy1:
         iy1 = min(iy1, h - 1)
         iy2 = iy1 + 1
-    return image.crop((ix1, iy1, ix2, iy2))
+    return ix1, iy1, ix2, iy2
+
+
+def _crop(image: Image.Image, region: Region) -> Image.Image:
+    if region.box is None:
+        return image
+    return image.crop(crop_bounds(region, *image.size))
 
 
 def load_region(region: Region) -> Image.Image:
