@@ -57,7 +57,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "groovist"
 TARGET = 10.0  # speed-up of storyrl over the per-story loop
+PIPELINE_TARGET = 3.0  # first-visit images/s, fast image pipeline over exact, on the CPU (issue 32)
 
+TINY_CLIP = {  # tests/tiny_models.py's: 32-px images
+    "embed_dim": 32,
+    "vision_cfg": {"image_size": 32, "patch_size": 8, "width": 32, "layers": 2, "head_width": 16, "mlp_ratio": 2.0},
+    "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 2},
+}
 SMALL_CLIP = {
     "embed_dim": 256,
     "vision_cfg": {"image_size": 224, "patch_size": 32, "width": 384, "layers": 6, "head_width": 64},
@@ -86,6 +92,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="stories the reference is timed on (its cost per story does not depend on the others)")
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--json", type=Path)
+    p.add_argument("--pipeline-models", default="tiny,small",
+                   help="models of the exact-vs-fast image pipeline comparison (first: first_visit_speedup's)")
+    p.add_argument("--photos", type=int, default=40, help="photo-like JPEGs of the pipeline comparison (5 a sequence)")
+    p.add_argument("--rounds", type=int, default=2, help="pipeline comparison: best of this many timings each")
+    p.add_argument("--real-stories", type=int, default=150,
+                   help="stories per file of the authors' VWP/VIST data scored on their real frames (0: skip)")
     return p.parse_args(argv)
 
 
@@ -125,15 +137,17 @@ def make_model(root: Path, name: str) -> str:
     import open_clip
     import torch
 
-    if name != "small":
+    out = root / f"clip_{name}"
+    if out.is_dir():
+        return f"local-dir:{out}"
+    if name in ("small", "tiny"):
+        cfg = SMALL_CLIP if name == "small" else TINY_CLIP
+    else:
         cfg = open_clip.get_model_config(name)
         if cfg is None:
             raise SystemExit(f"unknown open_clip model {name!r}")
-    else:
-        cfg = SMALL_CLIP
     torch.manual_seed(0)
     model = open_clip.CLIP(**cfg)
-    out = root / "clip"
     out.mkdir()
     (out / "open_clip_config.json").write_text(json.dumps({"model_cfg": cfg}))
     torch.save(model.state_dict(), out / "open_clip_pytorch_model.bin")
@@ -180,6 +194,36 @@ def reference_scores(embedder, inputs, weights, pronouns, theta, top_b, limit=No
     return scores
 
 
+def pipeline_figures(args, root: Path, rng) -> dict:
+    """The exact-vs-fast image pipeline comparison (benchmarks/image_pipelines.py)."""
+    import image_pipelines as ip
+
+    photos = ip.write_photos(root / "photos", args.photos)
+    table = ip.write_region_table(root / "photo_regions.csv", photos, args.regions)
+    pool = [f"{rng.choice(ADJECTIVES)} {rng.choice(WORDS)}" for _ in range(4 * args.nps)]
+    stories = [[list(rng.choice(pool, size=args.nps, replace=False)) for _ in range(args.candidates)]
+               for _ in range(len(photos) // 5)]
+    per_model = {}
+    for name in args.pipeline_models.split(","):
+        per_model[name] = ip.compare(make_model(root, name), photos, table, stories, args.regions, args.device,
+                                     args.precision, args.rounds)
+    first = per_model[args.pipeline_models.split(",")[0]]
+    out = {
+        "first_visit_speedup": first["groovist"]["speedup"],
+        "preprocessing_speedup": first["preprocessing"]["speedup"],
+        "clipscore_first_visit_speedup": first["clipscore"]["speedup"],
+        "pipelines": per_model,
+    }
+    differences = [m[r]["max_score_difference"] for m in per_model.values() for r in ("groovist", "clipscore")]
+    if args.real_stories and (ip.SHARED / "dhm" / "vwp").is_dir():
+        real = ip.real_image_differences(root, make_model(root, "ViT-B-32"), args.real_stories, args.device)
+        out["real_images"] = real
+        differences += [real[r]["max_score_difference"] for r in ("groovist", "clipscore")]
+    out["fast_max_score_difference"] = max(differences)
+    out["authors_smallest_gaps"] = dict(ip.AUTHORS_GAPS)
+    return out
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import storyrl  # noqa: F401  (torchvision fallback before open_clip on CPU-only torch)
@@ -213,6 +257,7 @@ def main(argv=None) -> int:
             clip_pretrained=None,
             device=args.device,
             precision=args.precision,
+            image_pipeline="exact",  # parity with the authors' loop (PIL preprocessing)
         )
         if not have_shared:  # no pronoun list available: drop nothing
             reward._pronoun_set = frozenset()
@@ -257,6 +302,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         ref = reference_scores(embedder, inputs, weights, pronouns, reward.theta, args.regions, limit=n_ref)
         t_ref = (time.perf_counter() - start) * n_stories / n_ref  # per-story cost x all stories
+        pipelines = pipeline_figures(args, root, rng)
 
     if not np.all(np.isfinite(ours)):
         print(f"storyrl left {int(np.sum(~np.isfinite(ours)))} stories unscorable: {reward.stats}", file=sys.stderr)
@@ -280,6 +326,7 @@ def main(argv=None) -> int:
         "speedup_2_epoch_run": 2 * t_ref / (t_cold + t_warm),
         "max_abs_diff": diff,
         "peak_cuda_mib": peak,
+        **pipelines,
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
@@ -290,6 +337,10 @@ def main(argv=None) -> int:
         f"epoch 2 {result['speedup_epoch2']:.0f}x, 2-epoch run {result['speedup_2_epoch_run']:.1f}x; "
         f"target >= {TARGET:.0f}x on the 2-epoch run: {'PASS' if result['speedup_2_epoch_run'] >= TARGET else 'FAIL'}"
     )
+    print(f"image pipelines: first visit fast/exact {result['first_visit_speedup']:.2f}x (target >= "
+          f"{PIPELINE_TARGET:g}: {'PASS' if result['first_visit_speedup'] >= PIPELINE_TARGET else 'FAIL'}), "
+          f"preprocessing alone {result['preprocessing_speedup']:.2f}x, largest score difference "
+          f"{result['fast_max_score_difference']:.2g}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if not same:

@@ -52,7 +52,7 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
 def decode_rgb(source: Any) -> np.ndarray:
     """``[H, W, 3]`` uint8 RGB pixels of ``source`` (ImageError if unreadable)."""
     try:
-        return np.asarray(open_rgb(source))
+        return np.array(open_rgb(source))  # writable (np.asarray's is not), for torch.from_numpy
     except READ_ERRORS as exc:
         raise ImageError(_source_name(source), failure_reason(exc)) from exc
 
@@ -164,6 +164,7 @@ class DecodePool:
         self._slot_count = 0
         self._slot_size = 4 << 20  # grows to the largest image met
         self._slots_ok = os.path.isdir("/dev/shm")
+        self.slot_names: list[str] = []  # every slot made (tests check close() removes them)
 
     # -- caller side -------------------------------------------------------------
     def imap(self, paths: Iterable[str], prefetch: int | None = None,
@@ -308,6 +309,7 @@ class DecodePool:
             self._slots_ok = False
             return None
         self._slot_count += 1
+        self.slot_names.append(slot.name)
         return slot
 
     def _give_back(self, job: _Job | None) -> None:

@@ -26,6 +26,7 @@ the model's input dtype.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -264,7 +265,7 @@ def _indexed_batches(regions: Sequence[Region], transform: Any, device: Any, dty
 
 def region_batches(regions: Sequence[Region], transform: Any, device: Any = "cpu", dtype: Any = None,
                    batch_size: int = 64, *, backend: str | None = None, pool: DecodePool | None = None,
-                   compute_dtype: Any = None, inline_below: int = INLINE_BELOW,
+                   compute_dtype: Any = None, inline_below: int = INLINE_BELOW, background: bool = True,
                    ) -> Iterator[tuple[list[Region], Any]]:
     """``(regions, pixels)`` batches of ``batch_size`` (the last smaller):
     the model inputs ``[n, 3, H, W]`` in ``dtype`` on ``device`` that
@@ -272,10 +273,84 @@ def region_batches(regions: Sequence[Region], transform: Any, device: Any = "cpu
     regions, as decoding proceeds. Regions come grouped by image, not in
     the given order. ``backend``: "matrix" or "interpolate" (default: by
     device); ``compute_dtype``: the matrix backend's (float32; float64
-    reproduces Pillow exactly). Raises the first ImageError met."""
-    for indices, pixels in _indexed_batches(regions, transform, device, dtype, batch_size, backend, pool,
-                                            compute_dtype, inline_below):
-        yield [regions[i] for i in indices], pixels
+    reproduces Pillow exactly). With ``background`` the batches are made
+    in a thread of their own, up to 2 ahead, while the caller runs its
+    model on the last one. Raises the first ImageError met."""
+    batches = _indexed_batches(regions, transform, device, dtype, batch_size, backend, pool, compute_dtype,
+                               inline_below)
+    if background:
+        batches = in_background(batches, depth=2)
+    with contextlib.closing(batches):
+        for indices, pixels in batches:
+            yield [regions[i] for i in indices], pixels
+
+
+_END = object()
+
+
+def in_background(items: Iterator, depth: int = 2, poll_s: float = 0.2) -> Iterator:
+    """``items`` produced in a daemon thread, at most ``depth`` ahead of the
+    consumer; the producer's exception is raised in the consumer, and
+    closing this generator stops the producer (waits are bounded: each
+    side checks the other every ``poll_s``). In the thread, torch runs its
+    small preprocessing ops on 1 OpenMP thread (a per-thread setting with
+    the OpenMP backend): intra-op threads contending with the decode
+    workers for the cores cost more than they gain on such ops."""
+    import queue
+
+    buffer: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        _single_threaded_torch()
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        buffer.put((item, None), timeout=poll_s)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            outcome = (_END, None)
+        except BaseException as exc:  # handed to the consumer
+            outcome = (None, exc)
+        finally:
+            if stop.is_set():
+                items.close()
+        while not stop.is_set():
+            try:
+                buffer.put(outcome, timeout=poll_s)
+                return
+            except queue.Full:
+                continue
+
+    thread = threading.Thread(target=produce, name="storyrl-preprocess", daemon=True)
+    thread.start()
+    try:
+        while True:
+            try:
+                item, exc = buffer.get(timeout=poll_s)
+            except queue.Empty:
+                if not thread.is_alive() and buffer.empty():
+                    raise RuntimeError("the preprocessing thread stopped without a result") from None
+                continue
+            if exc is not None:
+                raise exc
+            if item is _END:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=30.0)
+
+
+def _single_threaded_torch() -> None:
+    import torch
+
+    if "ATen parallel backend: OpenMP" in torch.__config__.parallel_info():
+        torch.set_num_threads(1)  # this thread only: OpenMP's thread count is per thread
 
 
 def region_pixels(regions: Sequence[Region], transform: Any, device: Any = "cpu", dtype: Any = None, **options):

@@ -62,7 +62,9 @@ class DiskEmbeddingCache:
     """Region embeddings on disk (SQLite), keyed by model, image file and box.
 
     A file's key includes its size and modification time, so an edited image is
-    re-embedded; in-memory (PIL) images are keyed by content hash.
+    re-embedded; in-memory (PIL) images are keyed by content hash. A
+    ``variant`` (e.g. the fast image pipeline's ":fast") keeps vectors made
+    another way apart from the default ones.
     """
 
     def __init__(self, directory: str | os.PathLike, model_key: str) -> None:
@@ -79,7 +81,7 @@ class DiskEmbeddingCache:
             db = self._local.db = sqlite3.connect(self.path, timeout=60)
         return db
 
-    def _key(self, region_key: Hashable) -> str:
+    def _key(self, region_key: Hashable, variant: str = "") -> str:
         source, box = region_key
         if isinstance(source, str) and not source.startswith("pil:"):
             try:
@@ -87,21 +89,24 @@ class DiskEmbeddingCache:
                 source = f"{os.path.abspath(source)}|{st.st_size}|{st.st_mtime_ns}"
             except OSError:
                 pass
-        raw = repr((self.model_key, source, box)).encode()
+        # A variant (another image pipeline's vectors) extends the model key;
+        # none keeps the keys caches were written with.
+        raw = repr((self.model_key + variant, source, box)).encode()
         return hashlib.sha1(raw).hexdigest()
 
-    def get_many(self, keys: Sequence[Hashable]) -> dict[Hashable, np.ndarray]:
+    def get_many(self, keys: Sequence[Hashable], variant: str = "") -> dict[Hashable, np.ndarray]:
+        """The vectors stored for ``keys`` ((source, box) region keys) under ``variant``."""
         found = {}
         db = self._db()
         for key in keys:
-            row = db.execute("SELECT vec FROM emb WHERE key = ?", (self._key(key),)).fetchone()
+            row = db.execute("SELECT vec FROM emb WHERE key = ?", (self._key(key, variant),)).fetchone()
             if row is not None:
                 found[key] = np.frombuffer(row[0], dtype=np.float32)
         return found
 
-    def put_many(self, items: dict[Hashable, np.ndarray]) -> None:
+    def put_many(self, items: dict[Hashable, np.ndarray], variant: str = "") -> None:
         with self._db() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO emb VALUES (?, ?)",
-                [(self._key(k), np.asarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
+                [(self._key(k, variant), np.asarray(v, dtype=np.float32).tobytes()) for k, v in items.items()],
             )

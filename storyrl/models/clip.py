@@ -10,6 +10,8 @@ imported when an embedder is built, not with this module.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -22,6 +24,12 @@ import numpy as np
 
 from storyrl.models.caches import DiskEmbeddingCache, LruDict
 from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
+
+log = logging.getLogger(__name__)
+
+#: How region pixels are made: "exact" (PIL and the model's own transform, the
+#: authors' scores) or "fast" (worker-process decoding, tensor preprocessing).
+IMAGE_PIPELINES = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class ClipEmbedder:
         self.regions = LruDict(max_cached)
         self.disk: DiskEmbeddingCache | None = None
         self.stats = {"texts_embedded": 0, "regions_embedded": 0, "regions_from_disk": 0}
+        self._fast_spec: tuple | None = None
         self._lock = threading.Lock()
 
     def _probe(self):
@@ -130,46 +139,99 @@ class ClipEmbedder:
         the key it always had, so existing caches stay valid."""
         return self.spec.key if self.precision == "fp32" else f"{self.spec.key}:{self.precision}"
 
-    def embed_regions(self, regions: Sequence[Any], load: Callable[[Sequence[Any]], list]) -> np.ndarray:
-        """Embeddings of ``regions`` (objects with a hashable ``key``);
-        ``load(regions)`` returns their PIL images (called only for regions not
-        cached). ``[len(regions), dim]`` float32, rows L2-normalised."""
+    def embed_regions(self, regions: Sequence[Any], load: Callable[[Sequence[Any]], list],
+                      pipeline: str = "exact") -> np.ndarray:
+        """Embeddings of ``regions`` (:class:`storyrl.images.Region` objects).
+        ``pipeline="exact"``: ``load(regions)`` returns their PIL images
+        (called only for regions not cached), preprocessed by the model's
+        own transform; ``"fast"``: the regions are decoded in worker
+        processes and preprocessed as tensors on the model's device
+        (:mod:`storyrl.images.tensor_preprocess`; ``load`` is not called).
+        The two give slightly different vectors, cached apart (in memory and
+        on disk). ``[len(regions), dim]`` float32, rows L2-normalised."""
+        if pipeline not in IMAGE_PIPELINES:
+            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        fast = pipeline == "fast" and self.fast_spec is not None
+        variant = "" if pipeline == "exact" else ":" + pipeline
+
+        def key(region):
+            return region.key if pipeline == "exact" else (*region.key, pipeline)
+
         with self._lock:
             # Vectors held here, not read back from the LRU: a call with more
             # regions than it keeps would lose the first ones.
             got = {}
             for r in regions:
-                if r.key not in got and (vec := self.regions.get_fresh(r.key)) is not None:
-                    got[r.key] = vec
-            todo = list({r.key: r for r in regions if r.key not in got}.values())
+                if key(r) not in got and (vec := self.regions.get_fresh(key(r))) is not None:
+                    got[key(r)] = vec
+            todo = list({key(r): r for r in regions if key(r) not in got}.values())
             if todo and self.disk is not None:
-                found = self.disk.get_many([r.key for r in todo])
-                for key, vec in found.items():
-                    self.regions.put(key, vec)
-                got.update(found)
+                found = self.disk.get_many([r.key for r in todo], variant) if variant else \
+                    self.disk.get_many([r.key for r in todo])
+                for r in todo:
+                    if r.key in found:
+                        self.regions.put(key(r), found[r.key])
+                        got[key(r)] = found[r.key]
                 self.stats["regions_from_disk"] += len(found)
                 todo = [r for r in todo if r.key not in found]
-            for start in range(0, len(todo), self.batch_size):
-                chunk = todo[start : start + self.batch_size]
-                vecs = self._encode_images(load(chunk))
+            for chunk, vecs in (self._fast_batches(todo) if fast else self._exact_batches(todo, load)):
                 new = {r.key: v for r, v in zip(chunk, vecs)}
-                for key, vec in new.items():
-                    self.regions.put(key, vec)
-                got.update(new)
+                for r, vec in zip(chunk, vecs):
+                    self.regions.put(key(r), vec)
+                    got[key(r)] = vec
                 if self.disk is not None:
-                    self.disk.put_many(new)
+                    if variant:
+                        self.disk.put_many(new, variant)
+                    else:
+                        self.disk.put_many(new)
             self.stats["regions_embedded"] += len(todo)
             if not regions:
                 return np.zeros((0, 0), np.float32)
-            return np.stack([got[r.key] for r in regions])
+            return np.stack([got[key(r)] for r in regions])
+
+    def _exact_batches(self, todo: list, load: Callable[[Sequence[Any]], list]):
+        for start in range(0, len(todo), self.batch_size):
+            chunk = todo[start : start + self.batch_size]
+            yield chunk, self._encode_images(load(chunk))
+
+    def _fast_batches(self, todo: list):
+        from storyrl.images.tensor_preprocess import region_batches
+
+        # Decoding (worker processes) and preprocessing (a thread) go on while each batch runs through the model.
+        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size)
+        with contextlib.closing(batches):
+            for chunk, pixels in batches:
+                yield chunk, self._encode_pixels(pixels)
+
+    @property
+    def fast_spec(self):
+        """What the fast pipeline reproduces of the model's transform (None:
+        it cannot; the exact pipeline is used, said once)."""
+        if self._fast_spec is None:
+            from storyrl.images.tensor_preprocess import pixel_spec
+
+            spec, why = pixel_spec(self.preprocess)
+            if spec is None:
+                log.warning("CLIP model %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
+                            self.spec.model, why)
+            self._fast_spec = (spec,)
+        return self._fast_spec[0]
 
     def _encode_images(self, images: list) -> np.ndarray:
-        torch = self._torch
+        return self._encode_pixels(self.exact_pixels(images))
+
+    def exact_pixels(self, images: list):
+        """The exact pipeline's model input for PIL ``images``: the model's
+        own transform, on the model's device in its input dtype."""
         # PIL decoding/resizing release the GIL: preprocess in threads.
         with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            pixels = torch.stack(list(pool.map(self.preprocess, images)))
+            pixels = self._torch.stack(list(pool.map(self.preprocess, images)))
+        return pixels.to(self.device, self.dtype)
+
+    def _encode_pixels(self, pixels) -> np.ndarray:
+        torch = self._torch
         with torch.inference_mode():
-            feats = self.model.encode_image(pixels.to(self.device, self.dtype)).float()
+            feats = self.model.encode_image(pixels).float()
             check_finite(feats, f"CLIP model {self.spec.model!r} (images)", self.precision)
             feats = torch.nn.functional.normalize(feats, dim=-1)
         return feats.cpu().numpy()

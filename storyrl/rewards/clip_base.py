@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from storyrl.config import option
+from storyrl.models.clip import IMAGE_PIPELINES
 from storyrl.rewards.region_base import ImageConfig, RegionReward
 
 
@@ -24,6 +25,10 @@ class ClipConfig(ImageConfig):
     clip_pretrained: str | None = option("openai", "open_clip pretrained tag (openai = the authors' weights), a local "
                                          "checkpoint file, or null (random weights).")
     cache_dir: str | None = option(None, "Directory of an on-disk region-embedding cache.", path="new-dir")
+    image_pipeline: str = option(
+        "exact", "How region pixels are made: exact (PIL and the model's transform, the authors' scores) or fast "
+        "(decoding in worker processes, resizing and normalising on the model's device; scores differ from "
+        "exact by round-off).", choices=IMAGE_PIPELINES)
 
 
 class ClipReward(RegionReward):
@@ -52,4 +57,4 @@ class ClipReward(RegionReward):
     def _embed_region_list(self, regions: list):
         from storyrl.images import load_regions
 
-        return self.embedder.embed_regions(regions, load_regions)
+        return self.embedder.embed_regions(regions, load_regions, self.image_pipeline)
