@@ -28,7 +28,16 @@ def reference(tiny_clip):
 
 
 def make(tiny_clip, **options):
+    """The reward on the exact image pipeline (PIL and the model's transform, as the independent
+    computations below and the authors do) unless ``image_pipeline`` says otherwise."""
+    options = {"image_pipeline": "exact", **options}
     return create_reward("clipscore", clip_model=tiny_clip, clip_pretrained=None, **options)
+
+
+#: Score tolerance of the fast image pipeline against the PIL computation: its pixels differ by a
+#: uint8 level or two in ~1% of the values, which moves the tiny CLIP's unit image embeddings by
+#: ~1e-4 (tests/test_image_pipeline.py), a cosine by ~2e-4 and 2.5 * cosine by ~5e-4.
+FAST_TOLERANCE = 1e-3
 
 
 def pair_cosines(reference, texts, paths):
@@ -77,14 +86,16 @@ def test_prefix_joined_with_one_space():
 
 
 @pytest.mark.parametrize("prefix", [PREFIX, None])
-def test_matches_independent_computation(tiny_clip, images, reference, prefix):
+@pytest.mark.parametrize("pipeline", ["exact", "fast"])
+def test_matches_independent_computation(tiny_clip, images, reference, prefix, pipeline):
     sentences = split_sentences(STORY)
     assert sentences == ["A dog runs.", "The sky is blue.", "A car."]
-    reward = make(tiny_clip, prefix=prefix) if prefix is None else make(tiny_clip)
+    options = {"image_pipeline": pipeline}
+    reward = make(tiny_clip, prefix=prefix, **options) if prefix is None else make(tiny_clip, **options)
     assert reward.prefix == prefix
     score = reward.score([STORY], images=[images])[0]
     expected = independent_clipscore(reference, sentences, images, prefix)
-    assert score == pytest.approx(expected, abs=1e-5)
+    assert score == pytest.approx(expected, abs=1e-5 if pipeline == "exact" else FAST_TOLERANCE)
     assert 0.0 < score <= 2.5
     # The random tiny CLIP gives both signs here, so the max(cos, 0) clip is exercised.
     texts = [f"{prefix} {s}" if prefix else s for s in sentences]
@@ -190,6 +201,12 @@ def test_image_ids_and_pil_images_give_the_same_score(tiny_clip, images):
 # -- contract --------------------------------------------------------------------------------
 
 
+def test_fast_image_pipeline_is_the_default():
+    from storyrl.rewards.clipscore import CLIPScoreConfig
+
+    assert CLIPScoreConfig().image_pipeline == "fast"
+
+
 def test_value_range_and_config(tiny_clip):
     reward = make(tiny_clip, prefix=None)
     assert reward.value_range == (0.0, 2.5) and reward.higher_is_better and reward.__name__ == "clipscore"
@@ -205,15 +222,16 @@ def test_groovist_and_clipscore_share_one_embedder(tiny_clip):
     assert make(tiny_clip, precision="fp32").embedder is not clip.embedder
 
 
-def test_shared_whole_image_embedded_once(tiny_clip, images):
+@pytest.mark.parametrize("pipeline", ["exact", "fast"])
+def test_shared_whole_image_embedded_once(tiny_clip, images, pipeline):
     from storyrl.models.runtime import release_models
 
     release_models()
-    clip = make(tiny_clip)
+    clip = make(tiny_clip, image_pipeline=pipeline)
     groov = create_reward(
         "groovist", clip_model=tiny_clip, clip_pretrained=None, regions="whole", theta=0.5,
         concreteness=str(shared_path("groovist", "concreteness_ratings.csv")),
-        pronouns=str(shared_path("groovist", "all_pronouns.txt")),
+        pronouns=str(shared_path("groovist", "all_pronouns.txt")), image_pipeline=pipeline,
     )
     assert clip.embedder is groov.embedder
     groov.score(["s"], images=[images], noun_phrases=[["the dog"]])
@@ -222,3 +240,6 @@ def test_shared_whole_image_embedded_once(tiny_clip, images):
     clip.score([STORY], images=[images])
     assert stats["regions_embedded"] == 3  # the whole images were embedded once, by groovist
     assert stats["texts_embedded"] == 1 + 3
+    # The other pipeline's vectors are not served: its scores embed the images again.
+    make(tiny_clip, image_pipeline="fast" if pipeline == "exact" else "exact").score([STORY], images=[images])
+    assert stats["regions_embedded"] == 6

@@ -71,6 +71,8 @@ class DiskEmbeddingCache:
         self.path = Path(directory) / "embeddings.sqlite"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.model_key = model_key
+        #: The variant get_many/put_many use when given none (its owner sets it per call).
+        self.variant = ""
         self._local = threading.local()
         with self._db() as db:
             db.execute("CREATE TABLE IF NOT EXISTS emb (key TEXT PRIMARY KEY, vec BLOB NOT NULL)")
@@ -94,8 +96,10 @@ class DiskEmbeddingCache:
         raw = repr((self.model_key + variant, source, box)).encode()
         return hashlib.sha1(raw).hexdigest()
 
-    def get_many(self, keys: Sequence[Hashable], variant: str = "") -> dict[Hashable, np.ndarray]:
-        """The vectors stored for ``keys`` ((source, box) region keys) under ``variant``."""
+    def get_many(self, keys: Sequence[Hashable], variant: str | None = None) -> dict[Hashable, np.ndarray]:
+        """The vectors stored for ``keys`` ((source, box) region keys) under
+        ``variant`` (default :attr:`variant`)."""
+        variant = self.variant if variant is None else variant
         found = {}
         db = self._db()
         for key in keys:
@@ -104,7 +108,8 @@ class DiskEmbeddingCache:
                 found[key] = np.frombuffer(row[0], dtype=np.float32)
         return found
 
-    def put_many(self, items: dict[Hashable, np.ndarray], variant: str = "") -> None:
+    def put_many(self, items: dict[Hashable, np.ndarray], variant: str | None = None) -> None:
+        variant = self.variant if variant is None else variant
         with self._db() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO emb VALUES (?, ?)",

@@ -165,9 +165,10 @@ class ClipEmbedder:
                 if key(r) not in got and (vec := self.regions.get_fresh(key(r))) is not None:
                     got[key(r)] = vec
             todo = list({key(r): r for r in regions if key(r) not in got}.values())
+            if self.disk is not None:
+                self.disk.variant = variant  # this call's pipeline, for every read and write below
             if todo and self.disk is not None:
-                found = self.disk.get_many([r.key for r in todo], variant) if variant else \
-                    self.disk.get_many([r.key for r in todo])
+                found = self.disk.get_many([r.key for r in todo])
                 for r in todo:
                     if r.key in found:
                         self.regions.put(key(r), found[r.key])
@@ -180,10 +181,7 @@ class ClipEmbedder:
                     self.regions.put(key(r), vec)
                     got[key(r)] = vec
                 if self.disk is not None:
-                    if variant:
-                        self.disk.put_many(new, variant)
-                    else:
-                        self.disk.put_many(new)
+                    self.disk.put_many(new)
             self.stats["regions_embedded"] += len(todo)
             if not regions:
                 return np.zeros((0, 0), np.float32)
@@ -201,7 +199,7 @@ class ClipEmbedder:
         batches = region_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size)
         with contextlib.closing(batches):
             for chunk, pixels in batches:
-                yield chunk, self._encode_pixels(pixels)
+                yield chunk, self._encode_images(pixels)
 
     @property
     def fast_spec(self):
@@ -217,8 +215,12 @@ class ClipEmbedder:
             self._fast_spec = (spec,)
         return self._fast_spec[0]
 
-    def _encode_images(self, images: list) -> np.ndarray:
-        return self._encode_pixels(self.exact_pixels(images))
+    def _encode_images(self, images) -> np.ndarray:
+        """One forward pass of the image tower, for either pipeline: PIL
+        images (the exact one's, preprocessed here) or a ready pixel batch
+        (the fast one's)."""
+        pixels = images if isinstance(images, self._torch.Tensor) else self.exact_pixels(images)
+        return self._encode_pixels(pixels)
 
     def exact_pixels(self, images: list):
         """The exact pipeline's model input for PIL ``images``: the model's

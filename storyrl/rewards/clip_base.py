@@ -26,7 +26,7 @@ class ClipConfig(ImageConfig):
                                          "checkpoint file, or null (random weights).")
     cache_dir: str | None = option(None, "Directory of an on-disk region-embedding cache.", path="new-dir")
     image_pipeline: str = option(
-        "exact", "How region pixels are made: exact (PIL and the model's transform, the authors' scores) or fast "
+        "fast", "How region pixels are made: exact (PIL and the model's transform, the authors' scores) or fast "
         "(decoding in worker processes, resizing and normalising on the model's device; scores differ from "
         "exact by round-off).", choices=IMAGE_PIPELINES)
 
