@@ -31,15 +31,16 @@ VIST_SIZES = [(500, 375), (640, 480), (1024, 768), (800, 600), (375, 500), (768,
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def write_photos(directory: Path, n: int, seed: int = 0) -> list[str]:
-    """``n`` photo-like RGB JPEGs (sizes cycling through VIST_SIZES)."""
+def write_photos(directory: Path, n: int, seed: int = 0, sizes: list[tuple[int, int]] | None = None) -> list[str]:
+    """``n`` photo-like RGB JPEGs, (width, height) cycling through ``sizes`` (default VIST_SIZES)."""
     from PIL import Image
 
     directory.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    sizes = sizes or VIST_SIZES
     paths = []
     for k in range(n):
-        w, h = VIST_SIZES[k % len(VIST_SIZES)]
+        w, h = sizes[k % len(sizes)]
         fy, fx = np.fft.fftfreq(h)[:, None], np.fft.rfftfreq(w)[None, :]
         # Natural images' amplitude spectrum falls as 1/f^a, a ~ 1-1.2 (here 1.2, with mild
         # sensor noise): ~4 bits a pixel at quality 90, the busy end of real photos.
