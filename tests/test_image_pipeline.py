@@ -365,6 +365,27 @@ def test_a_hanging_file_times_out_and_a_killed_worker_loses_nothing(sources, tmp
         pool.close()
 
 
+def test_workers_that_cannot_start_mean_inline_decoding_not_a_hang(sources, monkeypatch, caplog):
+    def no_process(*args, **kwargs):
+        raise OSError("no process for you")
+
+    monkeypatch.setattr(decoding.subprocess, "Popen", no_process)
+    monkeypatch.setattr(decoding, "_warned", [])
+    files = [s for s in sources if isinstance(s, str)]
+    pool = DecodePool(workers=2, timeout_s=3.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="storyrl.images.decoding"):
+            got = list(decode_sources(files, pool=pool, inline_below=1))
+        for source, result in zip(files, got):
+            assert_same(result, expected(source))
+        assert "decoding images in this process: no decode worker could start: no process for you" in caplog.text
+        # Called directly, the pool fails its files instead of waiting on workers that never come.
+        result = next(pool.imap(files[:1]))
+        assert isinstance(result, ImageError) and "no decode worker could start" in str(result)
+    finally:
+        pool.close()
+
+
 def test_shared_pool_started_only_for_enough_files(sources, monkeypatch):
     started = []
     monkeypatch.setattr(decoding, "shared_pool", lambda: started.append(1) or 1 / 0)

@@ -165,6 +165,7 @@ class DecodePool:
         self._slot_size = 4 << 20  # grows to the largest image met
         self._slots_ok = os.path.isdir("/dev/shm")
         self.slot_names: list[str] = []  # every slot made (tests check close() removes them)
+        self.start_error: str | None = None
 
     # -- caller side -------------------------------------------------------------
     def imap(self, paths: Iterable[str], prefetch: int | None = None,
@@ -203,6 +204,13 @@ class DecodePool:
                         if job_id in self._queue:
                             self._queue.remove(job_id)
                             del self._jobs[job_id]
+
+    def start(self) -> bool:
+        """Start the workers now; False (decode inline instead) when none can start."""
+        with self._cond:
+            self._start()
+            self._dispatch()
+            return bool(self._pool)
 
     def worker_modules(self, timeout_s: float = 60.0) -> list[list[str]]:
         """The top-level modules each worker has loaded (to check that none imports torch)."""
@@ -269,11 +277,23 @@ class DecodePool:
         return job_id
 
     def _dispatch(self) -> None:
-        """Replace dead workers, then hand queued jobs to the least busy (2 each at most)."""
+        """Replace dead workers, then hand queued jobs to the least busy (2
+        each at most). If no worker can start, the queued files fail (a wait
+        on them would never end)."""
         self._pool = [w for w in self._pool if not w.dead]
         while len(self._pool) < self.workers:
-            self._pool.append(_Worker())
+            try:
+                self._pool.append(_Worker())
+            except OSError as exc:
+                self.start_error = f"no decode worker could start: {exc}"
+                break
             self._wake_w.send_bytes(b"x")  # the reader watches the new socket from now on
+        if not self._pool:
+            while self._queue:
+                job_id = self._queue.popleft()
+                self._finish(job_id, ImageError(self._jobs[job_id].source, f"cannot read image: {self.start_error}"))
+            self._cond.notify_all()
+            return
         while self._queue:
             worker = min(self._pool, key=lambda w: len(w.jobs))
             if len(worker.jobs) >= 2:
@@ -419,6 +439,7 @@ class DecodePool:
 
 
 _shared: list[DecodePool] = []
+_warned: list[int] = []
 _shared_lock = threading.Lock()
 
 
@@ -448,7 +469,12 @@ def decode_sources(sources: Iterable[Any], *, pool: DecodePool | None = None, in
     paths = [s for s in sources if not _is_pil(s)]
     decoded: Iterator | None = None
     if len(paths) >= inline_below:
-        decoded = (pool or shared_pool()).imap(paths, prefetch=prefetch, alloc=alloc)
+        pool = pool or shared_pool()
+        if pool.start():
+            decoded = pool.imap(paths, prefetch=prefetch, alloc=alloc)
+        elif not _warned:
+            _warned.append(1)
+            log.warning("decoding images in this process: %s", pool.start_error)
     try:
         for source in sources:
             if decoded is not None and not _is_pil(source):
