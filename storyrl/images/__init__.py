@@ -13,7 +13,13 @@ package stays cheap to import.
 The code is split by responsibility: :mod:`~storyrl.images.loading` (Region,
 ImageError, resolving and decoding image sequences), :mod:`~storyrl.images.regions`
 (region sources) and :mod:`~storyrl.images.detection` (writing region tables).
-Every name is re-exported here, so importers use ``storyrl.images`` only.
+The fast image pipeline (issue 32): :mod:`~storyrl.images.tensor_preprocess`
+(regions + a torchvision transform -> the model's pixel batch, on its device),
+:mod:`~storyrl.images.decoding` (the decode pool of worker processes,
+:mod:`~storyrl.images.decode_worker` its worker) and
+:mod:`~storyrl.images.resample` (Pillow's resampling as tensors).
+Every name is re-exported here, so importers use ``storyrl.images`` only; the
+fast pipeline's names load their modules on first use (numpy, subprocesses).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from storyrl.images.loading import (
     Box,
     ImageError,
     Region,
+    crop_bounds,
     load_region,
     load_regions,
     pil_digest,
@@ -65,4 +72,24 @@ __all__ = [
     "DETECTION_CSV_COLUMNS",
     "IMAGE_EXTENSIONS",
     "pil_digest",
+    "crop_bounds",
+    # The fast image pipeline, imported on first use (_LAZY):
+    "PixelSpec",
+    "pixel_spec",
+    "region_batches",
+    "region_pixels",
+    "DecodePool",
+    "decode_rgb",
+    "decode_sources",
+    "shared_pool",
 ]
+_LAZY = {name: "tensor_preprocess" for name in ("PixelSpec", "pixel_spec", "region_batches", "region_pixels")}
+_LAZY |= {name: "decoding" for name in ("DecodePool", "decode_rgb", "decode_sources", "shared_pool")}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"storyrl.images.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
