@@ -197,13 +197,16 @@ class DecodePool:
         finally:
             with self._cond:
                 for job_id in ids:
-                    self._results.pop(job_id, None)
                     job = self._jobs.get(job_id)
-                    if job is not None:
-                        job.abandoned = True  # the reader drops its answer
+                    if job is None:
+                        continue
+                    if self._results.pop(job_id, None) is not None or job_id in self._queue:
                         if job_id in self._queue:
                             self._queue.remove(job_id)
-                            del self._jobs[job_id]
+                        self._give_back(job)
+                        del self._jobs[job_id]
+                    else:
+                        job.abandoned = True  # being decoded: the reader drops its answer
 
     def start(self) -> bool:
         """Start the workers now; False (decode inline instead) when none can start."""
@@ -409,13 +412,13 @@ class DecodePool:
                         alloc = job.alloc if job is not None else (lambda n: np.empty(n, dtype=np.uint8))
                         buffer = alloc(nbytes)
                         view = np.asarray(buffer.numpy() if hasattr(buffer, "numpy") else buffer)
-                        if reason == "slot":
-                            np.copyto(view[:nbytes], np.frombuffer(job.slot.map, np.uint8, nbytes))
-                        else:
+                        if reason != "slot":
                             conn.recv_bytes_into(memoryview(view).cast("B"))
                             with self._cond:  # too big for the slots: make them bigger
                                 self._slot_size = max(self._slot_size, nbytes)
-                except (EOFError, OSError):
+                        elif job is not None and job.slot is not None:
+                            np.copyto(view[:nbytes], np.frombuffer(job.slot.map, np.uint8, nbytes))
+                except (EOFError, OSError, ValueError):  # ValueError: a slot unmapped by close()
                     with self._cond:
                         if not self._closed:
                             self._worker_died(worker)
