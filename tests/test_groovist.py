@@ -346,7 +346,8 @@ def test_published_sample_scores_when_the_authors_assets_exist():
     published = json.loads(shared_path("groovist", "sample_scores.json").read_text())
     sid_2_iids = json.loads((folder / "vist_sid_2_iids.json").read_text())
     reward = create_reward(
-        "groovist", theta="vist", regions="crops", image_pipeline="exact", region_table=str(folder / "vist_entities.csv"),
+        "groovist", theta="vist", regions="crops", image_pipeline="exact",
+        region_table=str(folder / "vist_entities.csv"),
         crops_dir=str(folder / "vist-entities"),
         concreteness=str(shared_path("groovist", "concreteness_ratings.csv")),
         pronouns=str(shared_path("groovist", "all_pronouns.txt")),

@@ -37,9 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from storyrl.images.decode_worker import READ_ERRORS, failure_reason, open_rgb, serve, settings
+from storyrl.images.decode_worker import READ_ERRORS, failure_reason, open_rgb, settings
 from storyrl.images.loading import ImageError, _is_pil, _source_name
-
 
 log = logging.getLogger(__name__)
 

@@ -71,6 +71,11 @@ class PixelSpec:
             new_short, new_long = int(self.max_size * new_short / new_long), self.max_size
         return (new_long, new_short) if w <= h else (new_short, new_long)
 
+    @property
+    def out_size(self) -> tuple[int, int]:
+        """(h, w) of every output (pixel_spec refuses a transform without a fixed one)."""
+        return self.crop if self.crop is not None else self.size  # type: ignore[return-value]
+
     def window(self, h: int, w: int) -> tuple[int, int, int, int]:
         """``(top, left, out_h, out_w)`` of the centre crop of an ``h`` x ``w``
         resized image (negative offsets: zero padding, as torchvision pads)."""
@@ -120,7 +125,7 @@ def pixel_spec(transform: Any) -> tuple[PixelSpec | None, str | None]:
         else:
             return None, f"the image transform's {_name(step)} step is not reproduced"
         if kind in found.get("seen", ()) or any(order.index(k) > order.index(kind) for k in found.get("seen", ())):
-            return None, f"the image transform's steps are not Resize, CenterCrop, ToTensor, Normalize in order"
+            return None, "the image transform's steps are not Resize, CenterCrop, ToTensor, Normalize in order"
         found["seen"] = (*found.get("seen", ()), kind)
     if "ToTensor" not in found.get("seen", ()):
         return None, "the image transform has no ToTensor"
@@ -140,8 +145,7 @@ def _interpolate(image, bounds, spec: PixelSpec):
     """``[R, 3, out_h, out_w]`` uint8 from an ``[H, W, 3]`` uint8 CPU tensor."""
     import torch
 
-    top, left, oh, ow = spec.window(*spec.resized(1000, 1000))  # only the output size is used here
-    out = torch.empty(len(bounds), 3, oh, ow, dtype=torch.uint8)
+    out = torch.empty(len(bounds), 3, *spec.out_size, dtype=torch.uint8)
     for k, (x1, y1, x2, y2) in enumerate(bounds):
         # A compact channels-last copy: torch's uint8 kernel runs ~2x faster on it than on the view.
         crop = image[y1:y2, x1:x2].permute(2, 0, 1)[None].contiguous(memory_format=torch.channels_last)
