@@ -148,7 +148,9 @@ def region_table(tmp_path):
 @pytest.mark.parametrize("scaled", [False, True])
 def test_reward_matches_hand_computation(rovist_vg_dir, glove_path, corpus, images, region_table, scaled):
     table, boxes = region_table
-    reward = make(rovist_vg_dir, glove_path, idf_corpus=corpus, region_table=table, scaled=scaled)
+    # exact: the hand computation preprocesses with PIL (fast is compared in test_image_pipeline_models.py)
+    reward = make(rovist_vg_dir, glove_path, idf_corpus=corpus, region_table=table, scaled=scaled,
+                  image_pipeline="exact")
     assert reward.regions == "table"
     # Precomputed nouns: repeats (any case) dropped, a noun without a vector skipped.
     nouns = ["Dog", "car", "dog", "unicorn", "sky"]

@@ -27,11 +27,18 @@ one per process and encoder setting via :func:`cosmic_encoders`); only the
 head (:class:`CosmicHead`) trains. A saved model is a directory with
 ``storyrl_cosmic.json`` (head settings + the encoders' names) and
 ``model.safetensors`` (head weights only).
+
+Images reach the tower through either image pipeline (issue 32, as for the
+CLIP rewards): ``exact`` (PIL and the tower's own transform) or ``fast``
+(:mod:`storyrl.images.tensor_preprocess`); their vectors differ by
+resampling round-off and are cached apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +58,8 @@ from storyrl.models.runtime import (
     resolve_precision,
     shared_model,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_LABELS = ("Meta", "Visible", "Subjective", "Story")
 DEFAULT_IMAGE_MODEL = "resnetv2_50.a1h_in1k"
@@ -190,23 +199,72 @@ class CosmicEncoders:
         check_finite(hidden, f"COSMiC text encoder {self.spec.text_model}", self.precision)
         return hidden.cpu().numpy()
 
-    def embed_images(self, sources: Sequence[Any]) -> np.ndarray:
+    def embed_images(self, sources: Sequence[Any], pipeline: str = "exact") -> np.ndarray:
         """``[len(sources), image_dim]`` float32 for file paths or PIL images,
         each image run once (raises storyrl.images.ImageError when one cannot
-        be read)."""
+        be read). ``pipeline``: "exact" (PIL and the tower's transform) or
+        "fast" (worker-process decoding, tensor preprocessing); cached apart."""
         from storyrl.images import Region, load_regions
+        from storyrl.models.clip import IMAGE_PIPELINES
+
+        if pipeline not in IMAGE_PIPELINES:
+            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        fast = pipeline == "fast" and self.fast_spec is not None
+
+        def key(region):  # exact keeps the keys it always had
+            return region.key if pipeline == "exact" else (*region.key, pipeline)
 
         regions = [Region(s) for s in sources]
         with self._lock:
-            vecs, encoded = self.images.fetch(
-                {r.key: r for r in regions}, lambda chunk: self._encode_images(load_regions(chunk)), self.batch_size)
-            self.stats["images_embedded"] += encoded
+            # Vectors held here, not read back from the LRU (a request larger than it keeps).
+            got = {}
+            for r in regions:
+                if key(r) not in got and (vec := self.images.get_fresh(key(r))) is not None:
+                    got[key(r)] = vec
+            todo = list({key(r): r for r in regions if key(r) not in got}.values())
+            step = self.batch_size
+            batches = self._fast_batches(todo) if fast else (
+                (todo[i : i + step], self._encode_images(load_regions(todo[i : i + step])))
+                for i in range(0, len(todo), step))
+            for chunk, vecs in batches:
+                for r, vec in zip(chunk, vecs):
+                    self.images.put(key(r), vec)
+                    got[key(r)] = vec
+            self.stats["images_embedded"] += len(todo)
         if not regions:
             return np.zeros((0, self.image_dim), np.float32)
-        return np.stack([vecs[r.key] for r in regions])
+        return np.stack([got[key(r)] for r in regions])
 
-    def _encode_images(self, images: list) -> np.ndarray:
-        pixels = torch.stack([self.preprocess(im) for im in images]).to(self.device, self.dtype)
+    def _fast_batches(self, todo: list):
+        from storyrl.images.tensor_preprocess import region_batches
+
+        # The towers are cast whole to self.dtype: the pixels come in it. Decoding
+        # and preprocessing go on while each batch runs through the tower.
+        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size)
+        with contextlib.closing(batches):
+            for chunk, pixels in batches:
+                yield chunk, self._encode_images(pixels)
+
+    @property
+    def fast_spec(self):
+        """What the fast pipeline reproduces of the tower's transform (None:
+        it cannot, and the exact pipeline is used, said once)."""
+        if not hasattr(self, "_fast_spec"):
+            from storyrl.images.tensor_preprocess import pixel_spec
+
+            spec, why = pixel_spec(self.preprocess)
+            if spec is None:
+                log.warning("COSMiC image tower %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
+                            self.spec.image_model, why)
+            self._fast_spec = spec
+        return self._fast_spec
+
+    def _encode_images(self, images) -> np.ndarray:
+        """One forward pass: PIL images (preprocessed here) or a ready pixel batch (the fast pipeline's)."""
+        if isinstance(images, torch.Tensor):
+            pixels = images
+        else:
+            pixels = torch.stack([self.preprocess(im) for im in images]).to(self.device, self.dtype)
         with torch.inference_mode():
             feats = self._image_forward(pixels).float()
         check_finite(feats, f"COSMiC image tower {self.spec.image_model}", self.precision)
@@ -339,12 +397,12 @@ class CosmicScorer:
         self.head = head.to(encoders.device).eval()
         self.encoders = encoders
 
-    def embed(self, examples: Sequence[CosmicExample]) -> dict[str, torch.Tensor]:
-        """The head's input tensors (embeddings from the caches)."""
+    def embed(self, examples: Sequence[CosmicExample], image_pipeline: str = "exact") -> dict[str, torch.Tensor]:
+        """The head's input tensors (embeddings from the caches; images by ``image_pipeline``)."""
         enc, head = self.encoders, self.head
         texts = enc.embed_texts([e.candidate for e in examples] + [e.reference for e in examples])
         n = len(examples)
-        image = (enc.embed_images([e.image for e in examples]) if head.config.use_image
+        image = (enc.embed_images([e.image for e in examples], image_pipeline) if head.config.use_image
                  else np.zeros((n, head.config.image_dim), np.float32))
         return {
             "image": torch.from_numpy(image),
@@ -354,10 +412,10 @@ class CosmicScorer:
             "reference_label": torch.tensor([head.label_index(e.reference_label) for e in examples], dtype=torch.long),
         }
 
-    def score(self, examples: Sequence[CosmicExample]) -> np.ndarray:
+    def score(self, examples: Sequence[CosmicExample], image_pipeline: str = "exact") -> np.ndarray:
         if not examples:
             return np.zeros(0)
-        batch = {k: v.to(self.encoders.device) for k, v in self.embed(examples).items()}
+        batch = {k: v.to(self.encoders.device) for k, v in self.embed(examples, image_pipeline).items()}
         with torch.inference_mode():
             return self.head(**batch).double().cpu().numpy()
 

@@ -12,11 +12,19 @@ follows from the embeddings is the metric's, in :mod:`storyrl.rewards.rovist_vg`
 Region crops are resized to the ViT input without cropping
 (``crop_mode="squash"``), as the authors' ViT feature extractor does: a
 centre crop would cut off part of a detected box.
+
+Region pixels come from either image pipeline (issue 32, as for the CLIP
+rewards): ``exact`` (PIL and the model's timm transform) or ``fast``
+(:mod:`storyrl.images.tensor_preprocess`: decoding in worker processes,
+resizing and normalising as tensors, overlapped with the forward passes).
+Their vectors differ by resampling round-off and are cached apart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -31,6 +39,8 @@ from torch import nn
 from storyrl.models.caches import LruDict
 from storyrl.models.glove import GloVe
 from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CONFIG_FILE",
@@ -244,17 +254,66 @@ class RovistVGEmbedder:
         self._lock = threading.Lock()
 
     def embed_regions(
-        self, regions: Sequence[Any], load: Callable[[Sequence[Any]], list], batch_size: int = 64
+        self, regions: Sequence[Any], load: Callable[[Sequence[Any]], list], batch_size: int = 64,
+        pipeline: str = "exact",
     ) -> np.ndarray:
-        """``[len(regions), dim]`` float32, rows L2-normalised; ``load(regions)``
-        gives PIL images of the regions not cached yet."""
+        """``[len(regions), dim]`` float32, rows L2-normalised. ``pipeline``
+        "exact": ``load(regions)`` gives PIL images of the regions not cached
+        yet, preprocessed by the model's timm transform; "fast": the regions
+        are decoded in worker processes and preprocessed as tensors
+        (``load`` is not called). The two are cached apart."""
+        from storyrl.models.clip import IMAGE_PIPELINES
+
+        if pipeline not in IMAGE_PIPELINES:
+            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        fast = pipeline == "fast" and self.fast_spec is not None
+
+        def key(region):  # exact keeps the keys it always had
+            return region.key if pipeline == "exact" else (*region.key, pipeline)
+
         with self._lock:
-            vecs, encoded = self.regions.fetch(
-                {r.key: r for r in regions}, lambda chunk: self._encode_images(load(chunk)), batch_size)
-            self.stats["regions_embedded"] += encoded
+            # Vectors held here, not read back from the LRU: a call with more
+            # regions than it keeps would lose the first ones.
+            got = {}
+            for r in regions:
+                if key(r) not in got and (vec := self.regions.get_fresh(key(r))) is not None:
+                    got[key(r)] = vec
+            todo = list({key(r): r for r in regions if key(r) not in got}.values())
+            batches = self._fast_batches(todo, batch_size) if fast else (
+                (todo[i : i + batch_size], self._encode_images(load(todo[i : i + batch_size])))
+                for i in range(0, len(todo), batch_size))
+            for chunk, vecs in batches:
+                for r, vec in zip(chunk, vecs):
+                    self.regions.put(key(r), vec)
+                    got[key(r)] = vec
+            self.stats["regions_embedded"] += len(todo)
             if not regions:
                 return np.zeros((0, self.model.embed_dim), np.float32)
-            return np.stack([vecs[r.key] for r in regions])
+            return np.stack([got[key(r)] for r in regions])
+
+    def _fast_batches(self, todo: list, batch_size: int):
+        from storyrl.images.tensor_preprocess import region_batches
+
+        # Pixels in the dtype the model was cast to; decoding and preprocessing
+        # go on while each batch runs through the model.
+        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, batch_size)
+        with contextlib.closing(batches):
+            for chunk, pixels in batches:
+                yield chunk, self._encode_images(pixels)
+
+    @property
+    def fast_spec(self):
+        """What the fast pipeline reproduces of the model's transform (None:
+        it cannot, and the exact pipeline is used, said once)."""
+        if not hasattr(self, "_fast_spec"):
+            from storyrl.images.tensor_preprocess import pixel_spec
+
+            spec, why = pixel_spec(self.transform)
+            if spec is None:
+                log.warning("RoViST-VG model %s: image_pipeline='fast' uses the exact PIL pipeline: %s",
+                            self.model_dir, why)
+            self._fast_spec = spec
+        return self._fast_spec
 
     def embed_phrases(self, phrases: Sequence[str], glove: GloVe, batch_size: int = 64) -> np.ndarray:
         """``[len(phrases), dim]`` float32, rows L2-normalised; every phrase
@@ -287,10 +346,15 @@ class RovistVGEmbedder:
         texts = self._encode_vectors(np.ones((1, self.model.word_dim), np.float32))
         return torch.from_numpy(np.concatenate([images, texts]))
 
-    def _encode_images(self, images: list) -> np.ndarray:
-        # PIL resizing releases the GIL: preprocess in threads.
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            pixels = torch.stack(list(pool.map(self.transform, images)))
+    def _encode_images(self, images) -> np.ndarray:
+        """One forward pass: PIL images (the exact pipeline's, preprocessed
+        here) or a ready pixel batch (the fast one's)."""
+        if isinstance(images, torch.Tensor):
+            pixels = images
+        else:
+            # PIL resizing releases the GIL: preprocess in threads.
+            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+                pixels = torch.stack(list(pool.map(self.transform, images)))
         with torch.inference_mode():
             emb = self.model.embed_images(pixels.to(self.device, self.dtype)).float()
             check_finite(emb, f"RoViST-VG model {self.model_dir} (images)", self.precision)

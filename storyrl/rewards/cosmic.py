@@ -28,7 +28,10 @@ Unscorable stories (NaN, counted by reason):
 
 The model is a directory written by ``storyrl train cosmic``
 (:mod:`storyrl.models.cosmic`), loaded once per process; the reward object
-holds settings only (picklable).
+holds settings only (picklable). ``image_pipeline`` takes the CLIP rewards'
+values and default: ``fast`` (worker-process decoding, tensor
+preprocessing) or ``exact`` (PIL and the tower's transform); the image
+vectors differ by resampling round-off and are cached apart.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ from typing import Any
 import numpy as np
 
 from storyrl.config import option
+from storyrl.models.clip import IMAGE_PIPELINES
 from storyrl.rewards.base import Reward, clean_text
+from storyrl.rewards.clip_base import ClipConfig
 from storyrl.rewards.region_base import ImageConfig
 
 LABELS = ("Meta", "Visible", "Subjective", "Story", "Action")
@@ -57,6 +62,11 @@ class COSMiCConfig(ImageConfig):
     missing_reference: str = option("nan", "No reference: nan, or each sentence is its own reference.",
                                     choices=("nan", "self"))
     batch_size: int = option(32, "Images / texts per encoder forward pass.", min=1)
+    # The CLIP rewards' default, so that one setting reads the same everywhere.
+    image_pipeline: str = option(
+        ClipConfig.image_pipeline, "How image pixels are made: fast (decoding in worker processes, resizing and "
+        "normalising as tensors on the model's device) or exact (PIL and the image tower's transform).",
+        choices=IMAGE_PIPELINES)
 
 
 class COSMiC(Reward):
@@ -104,11 +114,11 @@ class COSMiC(Reward):
 
         def flush() -> None:
             try:
-                encoders.embed_images([s for seq in chunk for s in seq])
+                encoders.embed_images([s for seq in chunk for s in seq], self.image_pipeline)
             except ImageError:  # the unreadable sequence is scoring's to report
                 for seq in chunk:
                     try:
-                        encoders.embed_images(seq)
+                        encoders.embed_images(seq, self.image_pipeline)
                     except ImageError:
                         counts["failed"] += 1
             chunk.clear()
@@ -183,12 +193,13 @@ class COSMiC(Reward):
             triples.append(pairs)
             reasons.append(reason)
         if scorer.head.config.use_image:
-            self._check_images(scorer, triples, reasons)
+            self._check_images(scorer, triples, reasons, self.image_pipeline)
         examples = [
             CosmicExample(img, sent, ref, self.candidate_label, ref_label)
             for i, pairs in enumerate(triples) if reasons[i] is None for img, sent, ref, ref_label in pairs
         ]
-        flat = scorer.score(examples)
+        # A model without the image input has no pixels to make.
+        flat = scorer.score(examples, self.image_pipeline) if scorer.head.config.use_image else scorer.score(examples)
         out = np.full(len(stories), np.nan)
         start = 0
         for i, pairs in enumerate(triples):
@@ -200,19 +211,19 @@ class COSMiC(Reward):
         return out
 
     @staticmethod
-    def _check_images(scorer, triples: list, reasons: list) -> None:
+    def _check_images(scorer, triples: list, reasons: list, pipeline: str) -> None:
         """Embed every story's images now (cached for scoring); a story with
         an unreadable image gets a reason instead."""
         from storyrl.images import ImageError
 
         live = [i for i, r in enumerate(reasons) if r is None]
         try:
-            scorer.encoders.embed_images([p[0] for i in live for p in triples[i]])
+            scorer.encoders.embed_images([p[0] for i in live for p in triples[i]], pipeline)
             return
         except ImageError:
             pass
         for i in live:
             try:
-                scorer.encoders.embed_images([p[0] for p in triples[i]])
+                scorer.encoders.embed_images([p[0] for p in triples[i]], pipeline)
             except ImageError as exc:
                 reasons[i] = f"images: {exc}"

@@ -32,6 +32,10 @@ Choices where the papers leave room, documented here:
 * Region crops are resized to the ViT input without cropping (see
   :mod:`storyrl.models.rovist_vg`): a centre crop would cut off part of a
   detected box.
+* ``image_pipeline`` (issue 32) takes the CLIP rewards' values and default:
+  ``fast`` (worker-process decoding, tensor preprocessing) or ``exact`` (PIL
+  and the ViT's timm transform, the authors' pipeline); the pixels differ by
+  resampling round-off, the vectors are cached apart.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from storyrl.config import option
+from storyrl.models.clip import IMAGE_PIPELINES
+from storyrl.rewards.clip_base import ClipConfig
 from storyrl.rewards.region_base import RegionConfig, RegionReward
 
 if TYPE_CHECKING:
@@ -126,6 +132,11 @@ class RovistVGConfig(RegionConfig):
     scaled: bool = option(False, "Return Eq. 3's scaled score in (-1, 1) instead of S_VG.")
     spacy_pipeline: str = option("en_core_web_trf", "spaCy pipeline for POS tags (nouns = NOUN/PROPN).")
     batch_size: int = option(64, "Regions or nouns per forward pass.", min=1)
+    # The CLIP rewards' default, so that one setting reads the same everywhere.
+    image_pipeline: str = option(
+        ClipConfig.image_pipeline, "How region pixels are made: fast (decoding in worker processes, resizing and "
+        "normalising as tensors on the model's device) or exact (PIL and the ViT's timm transform, the authors' "
+        "pipeline).", choices=IMAGE_PIPELINES)
 
 
 class RovistVG(RegionReward):
@@ -277,4 +288,4 @@ class RovistVG(RegionReward):
     def _embed_region_list(self, regions: list) -> np.ndarray:
         from storyrl.images import load_regions
 
-        return self.embedder.embed_regions(regions, load_regions, self.batch_size)
+        return self.embedder.embed_regions(regions, load_regions, self.batch_size, self.image_pipeline)
