@@ -1,5 +1,6 @@
 """Benchmark: GROOViST throughput on RL-shaped batches, storyrl vs the
-authors' per-story loop, same model and inputs, same run.
+authors' per-story loop, same model and inputs, same run; and the exact vs
+fast image pipelines of the CLIP rewards.
 
 What is measured
 ----------------
@@ -35,11 +36,29 @@ The model is random-weight (hubs are unreachable): ``--model small`` (a
 ~ViT-B/32-shaped model at reduced width and depth, for CPU) or
 ``--model ViT-B-32`` (the authors' architecture).
 
+(c) image pipelines (issue 32), in the same run: GROOViST's and CLIPScore's
+    ``image_pipeline="exact"`` (PIL decoding, cropping and CLIP's transform
+    per region, the authors') against ``"fast"`` (the default: decoding in
+    worker processes, regions as tensor slices, resizing and normalising in
+    batches) on the same 40 photo-like JPEGs of VIST's sizes (500x375 to
+    1024x768, ~4 bits a pixel) with 10 detector-like boxes each, for each of
+    ``--pipeline-models`` (tiny: 32-px images; small: 224-px): the
+    preprocessing stage alone (decode + crop + resize + normalise, no model)
+    and a first visit end to end (caches emptied), alternately, best of
+    ``--rounds``; then the score differences on the authors' real VWP and
+    VIST frames and stories with a random-weight ViT-B/32
+    (benchmarks/image_pipelines.py). ``--json`` gets ``first_visit_speedup``
+    (GROOViST, first model: fast images/s over exact), ``preprocessing_speedup``,
+    ``clipscore_first_visit_speedup`` and ``fast_max_score_difference`` (the
+    largest |fast - exact| of every score compared), with the authors'
+    smallest gaps between two systems beside it.
+
 Usage::
 
     python benchmarks/groovist.py [--model small|ViT-B-32] [--device cpu|cuda]
         [--sequences 8] [--candidates 8] [--images 5] [--regions 10]
         [--batch-sequences 2] [--ref-stories 16] [--threads N] [--json OUT]
+        [--pipeline-models tiny,small] [--photos 40] [--rounds 2] [--real-stories 150]
 """
 
 from __future__ import annotations
