@@ -7,6 +7,8 @@ from pathlib import Path
 import click
 
 from storyrl.cli.common import _DIR, _FILE, _fail, _json
+from storyrl.models.clip import IMAGE_PIPELINES
+from storyrl.rewards.clip_base import ClipConfig
 
 
 @click.command()
@@ -22,10 +24,13 @@ from storyrl.cli.common import _DIR, _FILE, _fail, _json
 @click.option("--max-boxes", default=20, show_default=True, type=click.IntRange(min=1), help="Boxes per image.")
 @click.option("--no-pretrained", is_flag=True, help="Random backbone weights (tests and smoke runs).")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1))
+@click.option("--image-pipeline", type=click.Choice(IMAGE_PIPELINES), default=ClipConfig.image_pipeline,
+              show_default=True, help="How pixels are made: fast (decoding in worker processes, resizing and "
+              "normalising as tensors) or exact (PIL and the backbones' timm transforms). A store keeps one.")
 @click.option("--device", default=None, help="torch device (default: CUDA when available).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def features(data_paths, image_root, out, backbone, vit, region_table, max_boxes, no_pretrained, batch_size,
-             device, quiet) -> None:
+             image_pipeline, device, quiet) -> None:
     """Compute TAPM's visual features (timm ResNet, +ViT, region boxes) of
     every image of the stories, once, into OUT (index.json + shards), which
     `storyrl train tapm` and TAPM generation read."""
@@ -48,7 +53,7 @@ def features(data_paths, image_root, out, backbone, vit, region_table, max_boxes
         _fail("no images in the given stories")
     regions = RegionTable(region_table, top_b=max_boxes) if region_table else None
     extractor = FeatureExtractor(backbone, vit=vit, regions=regions, max_boxes=max_boxes,
-                                 pretrained=not no_pretrained, device=device)
+                                 pretrained=not no_pretrained, device=device, image_pipeline=image_pipeline)
     with progress_bar(total=len(dict(items)), desc="features", disable=quiet, unit="img") as bar:
         counts = write_features(out, items, extractor, batch_size=batch_size, progress=bar.update)
     click.echo(_json({"out": str(out), **counts}))

@@ -12,11 +12,19 @@ resumable (images already in the index are skipped), each shard is complete
 before the index names it (written aside and renamed), and ``index.json`` is
 held under :class:`storyrl.output_files.LockedOutput` for the whole run, so a
 second writer fails at once.
+
+Pixels come from either image pipeline (issue 32): ``exact`` (PIL and each
+backbone's timm transform) or ``fast`` (:mod:`storyrl.images.tensor_preprocess`:
+decoding in worker processes, resizing and normalising as tensors). A fast
+store's index names its pipeline (an exact one's keeps the description it
+always had), so resuming with the other pipeline is refused, never mixed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +33,8 @@ from typing import Any
 __all__ = ["FeatureExtractor", "FeatureStore", "image_keys", "pad_story_features", "write_features"]
 
 INDEX = "index.json"
+
+log = logging.getLogger(__name__)
 
 
 def image_keys(record) -> list[str]:
@@ -61,16 +71,22 @@ class FeatureExtractor:
     ``backbone`` (ResNet by default) gives the ``image`` features; ``vit``
     adds a second backbone whose features are concatenated (``+ViT``);
     ``regions`` (a :class:`storyrl.images.RegionTable`) adds ``boxes``.
-    ``pretrained=False`` builds random weights (tests, smoke runs)."""
+    ``pretrained=False`` builds random weights (tests, smoke runs).
+    ``image_pipeline``: "exact" (PIL) or "fast" (tensors; see the module docs)."""
 
     def __init__(self, backbone: str = "resnet101", vit: str | None = None, regions=None, max_boxes: int = 20,
-                 pretrained: bool = True, device=None) -> None:
+                 pretrained: bool = True, device=None, image_pipeline: str = "exact") -> None:
         import timm
         import torch
 
+        from storyrl.models.clip import IMAGE_PIPELINES
         from storyrl.models.hub import require_hub_model, timm_hub_id
         from storyrl.models.runtime import resolve_device
 
+        if image_pipeline not in IMAGE_PIPELINES:
+            raise ValueError(f"image_pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {image_pipeline!r}")
+        self.image_pipeline = image_pipeline
+        self._fast_specs: dict[int, Any] = {}
         self.device = resolve_device(device)
         self.names = [backbone] + ([vit] if vit else [])
         self.models, self.transforms = [], []
@@ -93,9 +109,13 @@ class FeatureExtractor:
         self._torch = torch
 
     def describe(self) -> dict[str, Any]:
-        """What the features were made with (stored in the index and the model)."""
-        return {"backbone": self.names[0], "vit": self.names[1] if len(self.names) > 1 else None,
-                "pretrained": self.pretrained, "max_boxes": self.max_boxes if self.regions is not None else None}
+        """What the features were made with (stored in the index and the model).
+        The pipeline is named unless exact, so stores written before it existed still match."""
+        out = {"backbone": self.names[0], "vit": self.names[1] if len(self.names) > 1 else None,
+               "pretrained": self.pretrained, "max_boxes": self.max_boxes if self.regions is not None else None}
+        if self.image_pipeline != "exact":
+            out["image_pipeline"] = self.image_pipeline
+        return out
 
     def types(self) -> dict[str, dict[str, int]]:
         dims = [m.num_features for m in self.models]
@@ -110,20 +130,74 @@ class FeatureExtractor:
         with torch.no_grad():
             return self.models[model_index](batch).float().cpu()
 
+    def _fast_spec(self, model_index: int):
+        """The fast pipeline's reading of a backbone's transform (None: it
+        cannot reproduce it, and that backbone uses the exact one, said once)."""
+        if model_index not in self._fast_specs:
+            from storyrl.images.tensor_preprocess import pixel_spec
+
+            spec, why = pixel_spec(self.transforms[model_index])
+            if spec is None:
+                log.warning("timm backbone %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
+                            self.names[model_index], why)
+            self._fast_specs[model_index] = spec
+        return self._fast_specs[model_index]
+
+    def _fast(self, model_index: int) -> bool:
+        return self.image_pipeline == "fast" and self._fast_spec(model_index) is not None
+
+    def _fast_features(self, model_index: int, regions: list, batch_size: int) -> Any:
+        """``[len(regions), dim]`` features of ``regions`` (in their order) by
+        the fast pipeline; raises ImageError for an unreadable image."""
+        from storyrl.images.tensor_preprocess import region_batches
+
+        torch = self._torch
+        out = torch.zeros(len(regions), self.models[model_index].num_features)
+        if not regions:
+            return out
+        # region_batches gives regions grouped by image: put each batch's rows back in place.
+        rows: dict[Any, list[int]] = {}
+        for i, region in enumerate(regions):
+            rows.setdefault(region.key, []).append(i)
+        unique = [regions[i[0]] for i in rows.values()]
+        batches = region_batches(unique, self._fast_spec(model_index), self.device, torch.float32,
+                                 batch_size)  # the backbones run in fp32
+        with contextlib.closing(batches), torch.no_grad():
+            for chunk, pixels in batches:
+                feats = self.models[model_index](pixels).float().cpu()
+                for region, feat in zip(chunk, feats):
+                    out[rows[region.key]] = feat
+        return out
+
     def __call__(self, sources: Sequence[Any], keys: Sequence[str]) -> dict[str, Any]:
         """Features of images (paths or PIL images) as ``{type: (n, tokens, dim)}``."""
         from storyrl.images import Region, load_regions
 
         torch = self._torch
-        whole = load_regions([Region(s) for s in sources])
-        image = torch.cat([self._embed(i, whole) for i in range(len(self.models))], dim=1).unsqueeze(1)
-        out = {"image": image}
+        batch_size = max(len(sources), 1)  # one forward per call, as the exact pipeline's
+        whole = [Region(s) for s in sources]
+        decoded = None  # the exact pipeline's images, decoded once for every backbone that needs them
+        parts = []
+        for i in range(len(self.models)):
+            if self._fast(i):
+                parts.append(self._fast_features(i, whole, batch_size))
+            else:
+                decoded = decoded if decoded is not None else load_regions(whole)
+                parts.append(self._embed(i, decoded))
+        out = {"image": torch.cat(parts, dim=1).unsqueeze(1)}
         if self.regions is not None:
             dim = self.models[0].num_features
             boxes = torch.zeros(len(sources), self.max_boxes, dim)
-            for n, regs in enumerate(self.regions.regions(list(sources), list(keys))):
-                regs = regs[: self.max_boxes]
-                boxes[n, : len(regs)] = self._embed(0, load_regions(regs))
+            per_image = [regs[: self.max_boxes] for regs in self.regions.regions(list(sources), list(keys))]
+            if self._fast(0):  # every box of the call in one stream of batches
+                flat = self._fast_features(0, [r for regs in per_image for r in regs], batch_size)
+                start = 0
+                for n, regs in enumerate(per_image):
+                    boxes[n, : len(regs)] = flat[start : start + len(regs)]
+                    start += len(regs)
+            else:
+                for n, regs in enumerate(per_image):
+                    boxes[n, : len(regs)] = self._embed(0, load_regions(regs))
             out["boxes"] = boxes
         return out
 
