@@ -629,6 +629,6 @@ def test_cosmic_embeds_batch_size_images_per_call(cosmic_models, images, fresh):
     reward = cosmic(cosmic_models["image"], batch_size=2)
     encoders = reward._scorer().encoders
     sizes, embed = [], encoders.embed_images
-    encoders.embed_images = lambda sources: sizes.append(len(sources)) or embed(sources)
+    encoders.embed_images = lambda sources, *more: sizes.append(len(sources)) or embed(sources, *more)
     assert reward.prepare({"images": [[p] for p in images]})["embedded"] == 3
     assert sizes == [2, 1]  # rows gathered up to batch_size images, then the rest

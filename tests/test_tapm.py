@@ -25,7 +25,8 @@ def data(tmp_path_factory, one_thread_module):
     root = tmp_path_factory.mktemp("tapm")
     paths = tiny_models.write_images(root / "img", n=5)
     stories = tiny_models.write_tapm_stories(root / "stories.jsonl", STORY_IDS)
-    extractor = FeatureExtractor("test_resnet", pretrained=False, device="cpu")
+    # fast: the `storyrl features` default, so models record it with their backbones
+    extractor = FeatureExtractor("test_resnet", pretrained=False, device="cpu", image_pipeline="fast")
     write_features(root / "features", [(p.stem, str(p)) for p in paths], extractor, batch_size=3)
     decoder = tiny_models.save_tiny_decoder(root / "gpt2")
     return {"root": root, "stories": stories, "features": str(root / "features"), "decoder": decoder,
@@ -237,9 +238,15 @@ def test_tapm_generator_writes_a_story_per_record(trained, data, tmp_path):
     assert not out.failures and list(out.stories) == [r.story_id for r in records]
     assert all(isinstance(s, str) for s in out.stories.values())
     # Without a store the features are computed with the model's backbones: same stories.
-    fresh = create_generator("tapm", model=str(trained["out"] / "best"), image_root=str(data["images"]),
-                             max_new_tokens=6, batch_size=3).generate(records)
+    on_the_fly = create_generator("tapm", model=str(trained["out"] / "best"), image_root=str(data["images"]),
+                                  max_new_tokens=6, batch_size=3)
+    fresh = on_the_fly.generate(records)
     assert fresh.stories == out.stories
+    # ... made by the store's image pipeline, which the model recorded with its backbones
+    from storyrl.generators.tapm.features import FeatureStore
+
+    store_pipeline = FeatureStore(data["features"]).backbones.get("image_pipeline", "exact")
+    assert on_the_fly._extractor.image_pipeline == store_pipeline == "fast"
     out.save(tmp_path / "stories.json")
     assert json.loads((tmp_path / "stories.json").read_text()) == out.stories
 

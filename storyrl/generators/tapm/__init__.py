@@ -114,7 +114,8 @@ class TapmGenerator(Generator):
                                  "(storyrl features --region-table ...)")
             self._store = None
             self._extractor = FeatureExtractor(backbones["backbone"], vit=backbones.get("vit"),
-                                               pretrained=backbones.get("pretrained", True), device=device)
+                                               pretrained=backbones.get("pretrained", True), device=device,
+                                               image_pipeline=backbones.get("image_pipeline", "exact"))
         self._model = model
 
     def _features(self, records) -> tuple[dict, Any]:
