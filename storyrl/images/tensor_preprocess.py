@@ -289,6 +289,26 @@ def region_batches(regions: Sequence[Region], transform: Any, device: Any = "cpu
             yield [regions[i] for i in indices], pixels
 
 
+
+def reproducible_spec(transform: Any, what: str, logger: Any) -> PixelSpec | None:
+    """:func:`pixel_spec` of ``transform``, or None after one warning on
+    ``logger`` naming ``what``: the caller then embeds with the exact pipeline."""
+    spec, why = pixel_spec(transform)
+    if spec is None:
+        logger.warning("%s: image_pipeline='fast' uses the exact PIL pipeline: %s", what, why)
+    return spec
+
+
+def encoded_batches(regions: Sequence[Region], spec: Any, device: Any, dtype: Any, batch_size: int, encode,
+                    ) -> Iterator[tuple[list[Region], Any]]:
+    """``(regions, encode(pixels))`` per batch of :func:`region_batches`:
+    decoding and preprocessing go on while ``encode`` runs the model on the
+    last batch; the workers' batches are released when the caller stops early."""
+    batches = region_batches(regions, spec, device, dtype, batch_size)
+    with contextlib.closing(batches):
+        for chunk, pixels in batches:
+            yield chunk, encode(pixels)
+
 _END = object()
 
 

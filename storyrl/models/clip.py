@@ -10,7 +10,6 @@ imported when an embedder is built, not with this module.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -193,26 +192,18 @@ class ClipEmbedder:
             yield chunk, self._encode_images(load(chunk))
 
     def _fast_batches(self, todo: list):
-        from storyrl.images.tensor_preprocess import region_batches
+        from storyrl.images.tensor_preprocess import encoded_batches
 
-        # Decoding (worker processes) and preprocessing (a thread) go on while each batch runs through the model.
-        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size)
-        with contextlib.closing(batches):
-            for chunk, pixels in batches:
-                yield chunk, self._encode_images(pixels)
+        return encoded_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size, self._encode_images)
 
     @property
     def fast_spec(self):
         """What the fast pipeline reproduces of the model's transform (None:
         it cannot; the exact pipeline is used, said once)."""
         if self._fast_spec is None:
-            from storyrl.images.tensor_preprocess import pixel_spec
+            from storyrl.images.tensor_preprocess import reproducible_spec
 
-            spec, why = pixel_spec(self.preprocess)
-            if spec is None:
-                log.warning("CLIP model %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
-                            self.spec.model, why)
-            self._fast_spec = (spec,)
+            self._fast_spec = (reproducible_spec(self.preprocess, f"CLIP model {self.spec.model!r}", log),)
         return self._fast_spec[0]
 
     def _encode_images(self, images) -> np.ndarray:

@@ -36,7 +36,6 @@ resampling round-off and are cached apart.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import threading
@@ -236,27 +235,19 @@ class CosmicEncoders:
         return np.stack([got[key(r)] for r in regions])
 
     def _fast_batches(self, todo: list):
-        from storyrl.images.tensor_preprocess import region_batches
+        from storyrl.images.tensor_preprocess import encoded_batches
 
-        # The towers are cast whole to self.dtype: the pixels come in it. Decoding
-        # and preprocessing go on while each batch runs through the tower.
-        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size)
-        with contextlib.closing(batches):
-            for chunk, pixels in batches:
-                yield chunk, self._encode_images(pixels)
+        # The towers are cast whole to self.dtype: the pixels come in it.
+        return encoded_batches(todo, self.fast_spec, self.device, self.dtype, self.batch_size, self._encode_images)
 
     @property
     def fast_spec(self):
         """What the fast pipeline reproduces of the tower's transform (None:
         it cannot, and the exact pipeline is used, said once)."""
         if not hasattr(self, "_fast_spec"):
-            from storyrl.images.tensor_preprocess import pixel_spec
+            from storyrl.images.tensor_preprocess import reproducible_spec
 
-            spec, why = pixel_spec(self.preprocess)
-            if spec is None:
-                log.warning("COSMiC image tower %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
-                            self.spec.image_model, why)
-            self._fast_spec = spec
+            self._fast_spec = reproducible_spec(self.preprocess, f"COSMiC image tower {self.spec.image_model!r}", log)
         return self._fast_spec
 
     def _encode_images(self, images) -> np.ndarray:

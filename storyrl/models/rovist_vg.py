@@ -22,7 +22,6 @@ Their vectors differ by resampling round-off and are cached apart.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -292,27 +291,19 @@ class RovistVGEmbedder:
             return np.stack([got[key(r)] for r in regions])
 
     def _fast_batches(self, todo: list, batch_size: int):
-        from storyrl.images.tensor_preprocess import region_batches
+        from storyrl.images.tensor_preprocess import encoded_batches
 
-        # Pixels in the dtype the model was cast to; decoding and preprocessing
-        # go on while each batch runs through the model.
-        batches = region_batches(todo, self.fast_spec, self.device, self.dtype, batch_size)
-        with contextlib.closing(batches):
-            for chunk, pixels in batches:
-                yield chunk, self._encode_images(pixels)
+        # Pixels in the dtype the model was cast to.
+        return encoded_batches(todo, self.fast_spec, self.device, self.dtype, batch_size, self._encode_images)
 
     @property
     def fast_spec(self):
         """What the fast pipeline reproduces of the model's transform (None:
         it cannot, and the exact pipeline is used, said once)."""
         if not hasattr(self, "_fast_spec"):
-            from storyrl.images.tensor_preprocess import pixel_spec
+            from storyrl.images.tensor_preprocess import reproducible_spec
 
-            spec, why = pixel_spec(self.transform)
-            if spec is None:
-                log.warning("RoViST-VG model %s: image_pipeline='fast' uses the exact PIL pipeline: %s",
-                            self.model_dir, why)
-            self._fast_spec = spec
+            self._fast_spec = reproducible_spec(self.transform, f"RoViST-VG model {self.model_dir}", log)
         return self._fast_spec
 
     def embed_phrases(self, phrases: Sequence[str], glove: GloVe, batch_size: int = 64) -> np.ndarray:

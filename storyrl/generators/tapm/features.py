@@ -134,13 +134,10 @@ class FeatureExtractor:
         """The fast pipeline's reading of a backbone's transform (None: it
         cannot reproduce it, and that backbone uses the exact one, said once)."""
         if model_index not in self._fast_specs:
-            from storyrl.images.tensor_preprocess import pixel_spec
+            from storyrl.images.tensor_preprocess import reproducible_spec
 
-            spec, why = pixel_spec(self.transforms[model_index])
-            if spec is None:
-                log.warning("timm backbone %r: image_pipeline='fast' uses the exact PIL pipeline: %s",
-                            self.names[model_index], why)
-            self._fast_specs[model_index] = spec
+            self._fast_specs[model_index] = reproducible_spec(
+                self.transforms[model_index], f"timm backbone {self.names[model_index]!r}", log)
         return self._fast_specs[model_index]
 
     def _fast(self, model_index: int) -> bool:
