@@ -5,9 +5,11 @@ the algorithm's own options as a nested mapping: ``ppo`` (storyrl's
 :class:`~storyrl.training.rl.ppo.config.PPOConfig`), ``grpo`` / ``rloo``
 (TRL's ``GRPOConfig`` / ``RLOOConfig``, any of their keys).
 
-Which keys win: ``output_dir``, ``seed``, ``max_steps``, ``report_to`` and
-``reward_weights`` belong to the run, not to one algorithm. They are set at
-the top level only and flow into the algorithm's config; writing one of them
+Which keys win: ``output_dir``, ``seed``, ``max_steps``, ``report_to``,
+``reward_weights`` and ``merge_adapters_for_sampling`` belong to the run, not
+to one algorithm. They are set at the top level only and flow into the
+algorithm's config (the last one into PPO's; for GRPO/RLOO storyrl's trainer
+class reads it); writing one of them
 inside ``ppo``/``grpo``/``rloo`` is an error (so no file says two things).
 Everything else -- learning rate, batch sizes, KL coefficient (``beta`` /
 ``kl_coef``), generation length, ``multi_objective_aggregation``, saving and
@@ -39,19 +41,21 @@ __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "Lo
            "reward_problems"]
 
 #: Run-level keys set at the top level and copied into the algorithm's config.
-FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights")
+FLOWED_KEYS = ("output_dir", "seed", "max_steps", "report_to", "reward_weights", "merge_adapters_for_sampling")
 # Attribute on a built nested config holding the keys the user gave (what is saved).
 _GIVEN = "_storyrl_given"
 
 
 def _storyrl_flowed(run: RLConfig) -> dict[str, Any]:
     """The run-level keys as storyrl's own configs take them (PPOConfig)."""
-    return {"output_dir": run.output_dir, "seed": run.seed, "max_steps": run.max_steps, "report_to": run.report_to}
+    return {"output_dir": run.output_dir, "seed": run.seed, "max_steps": run.max_steps, "report_to": run.report_to,
+            "merge_adapters_for_sampling": run.merge_adapters_for_sampling}
 
 
 def _trl_flowed(run: RLConfig) -> dict[str, Any]:
     """The run-level keys as TRL's configs take them: max_steps -1 is TRL's
-    'not set'; the reward weights are TRL's too."""
+    'not set'; the reward weights are TRL's too. (merge_adapters_for_sampling
+    is storyrl's: the trainer class reads it, TRL's config has no such key.)"""
     return {"output_dir": run.output_dir, "seed": run.seed, "max_steps": -1 if run.max_steps is None else run.max_steps,
             "report_to": run.report_to, "reward_weights": run.reward_weights}
 
@@ -115,6 +119,12 @@ class RLConfig(StorytellerConfig):
     max_steps: int | None = option(None, "Optimisation steps to run (GRPO/RLOO: optimizer steps; PPO: rollout + "
                                    "update steps); default: the algorithm's epochs over the data.", min=1)
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
+    merge_adapters_for_sampling: bool = option(True, "Sample the rollouts (PPO, and GRPO/RLOO without use_vllm) "
+                                               "with the LoRA adapters merged into a copy of the weights they "
+                                               "adapt, restored bit for bit afterwards: as fast as generate on "
+                                               "merged weights, one extra copy of those weights while sampling "
+                                               "(not with load_in_4bit: sampled unmerged); false: through peft's "
+                                               "unmerged adapters.")
     # -- rewards ------------------------------------------------------------------
     rewards: list[str | dict[str, Any]] = option(help="Rewards (TRL reward functions): registered names, reward "
                                                  "config YAML paths or mappings {reward: <name>, <option>: ...}.")
@@ -138,7 +148,7 @@ class RLConfig(StorytellerConfig):
         # so that the run-level keys flow into them and the given keys are
         # remembered (what rl_config.yaml keeps).
         label = self._label()
-        for name in ("output_dir", "seed", "max_steps", "report_to", "reward_weights", "algorithm"):
+        for name in (*FLOWED_KEYS, "algorithm"):
             info = next(i for i in _infos(type(self)) if i.name == name)
             try:
                 setattr(self, name, check_type(getattr(self, name), info.type))
@@ -196,12 +206,12 @@ class RLConfig(StorytellerConfig):
         else:
             raise TypeError(f"{label}: key {name!r}: expected a mapping of {cls.__name__} keys, "
                             f"got {type(value).__name__}")
-        if not issubclass(cls, Config):
-            _check_trl_types(cls, given, f"{label}: {name}")
         owned = [k for k in FLOWED_KEYS if k in given]
         if owned:
             raise ValueError(f"{label}: {name}: set {', '.join(owned)} at the top level (it applies to the whole "
                              f"run), not inside {name}")
+        if not issubclass(cls, Config):
+            _check_trl_types(cls, given, f"{label}: {name}")
         try:
             built = cls.from_mapping({**given, **flowed}) if issubclass(cls, Config) else \
                 cls(**{**self._device_defaults(given), **given, **flowed})

@@ -21,6 +21,10 @@ monitor.
   from the restored state on resume, so it never holds an entry twice).
 * The final policy goes to ``OUTPUT_DIR/final/`` with its tokenizer or
   processor: the LoRA adapters, or merged weights with ``lora.merge``.
+* Sampling with transformers runs on the LoRA adapters merged into a copy of
+  their weights (``merge_adapters_for_sampling``, default on;
+  :mod:`storyrl.training.rl.sampling`): peft's unmerged layers made TRL's
+  generation phase ~1.3x ``generate`` on merged weights.
 * :class:`RunGuard` (every storyrl TRL run has it: :class:`HistoryCallback`
   is one) stops a run whose loss or trainable weights turn NaN/inf before
   anything is saved, and makes a resume from a checkpoint that already
@@ -262,7 +266,8 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
         raise RunFailedError(_no_step(config.algorithm, args, len(dataset)))
     wrapped = monitor.wrap(rewards)
     scorable = ScorableCheck([w.__name__ for w in wrapped], weights)
-    trainer_class = _resumable(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer)
+    trainer_class = _resumable(_merged_sampling(GRPOTrainer if config.algorithm == "grpo" else RLOOTrainer,
+                                                config.merge_adapters_for_sampling))
     with trl_reference(config, policy.kind, trainer_class):
         trainer = trainer_class(
             model=policy.model,
@@ -321,6 +326,23 @@ class ScorableCheck(TrainerCallback):
             control.should_training_stop = True
         else:
             logger.warning("step %d: no story was scorable by %s", state.global_step, ", ".join(self.names))
+
+
+def _merged_sampling(trainer_class: type, enabled: bool) -> type:
+    """``trainer_class`` whose transformers ``generate`` samples on merged
+    LoRA weights (:func:`storyrl.training.rl.sampling.merged_adapters`;
+    TRL samples through peft's unmerged layers). vLLM has its own copy of
+    the weights and is left as it is."""
+    from storyrl.training.rl.sampling import merged_adapters
+
+    class MergedSampling(trainer_class):
+        def _generate_single_turn(self, *args, **kwargs):
+            on = enabled and not self.use_vllm
+            with merged_adapters(self.accelerator.unwrap_model(self.model), on):
+                return super()._generate_single_turn(*args, **kwargs)
+
+    MergedSampling.__name__ = MergedSampling.__qualname__ = trainer_class.__name__
+    return MergedSampling
 
 
 def _resumable(trainer_class: type) -> type:

@@ -19,11 +19,14 @@ it is run again on them for log-probabilities and values.
   sequence; see :mod:`storyrl.training.rl.ppo` for how the story's score is
   credited to them.
 
-Every adapter returns a :class:`Rollout`: queries left-padded, responses
-right-padded and cut after the first stop token, ``story`` mapping each
-sequence to its row. A minibatch is a set of stories (all of a story's
-sequences travel together, which TAPM's story-level visual encoder needs);
-:meth:`PolicyAdapter.model_inputs` builds the forward inputs of one.
+Every adapter samples with the policy's LoRA adapters merged
+(:func:`storyrl.training.rl.sampling.merged_adapters`, unless
+``merge_adapters_for_sampling`` is off) and returns a :class:`Rollout`:
+queries left-padded, responses right-padded and cut after the first stop
+token, ``story`` mapping each sequence to its row. A minibatch is a set of
+stories (all of a story's sequences travel together, which TAPM's
+story-level visual encoder needs); :meth:`PolicyAdapter.model_inputs` builds
+the forward inputs of one.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from storyrl.training.rl.sampling import merged_adapters
 
 __all__ = [
     "CausalLMAdapter",
@@ -298,7 +303,8 @@ class CausalLMAdapter(PolicyAdapter):
 
     def _generate(self, policy, encoded: dict[str, torch.Tensor]) -> torch.Tensor:
         config = _generation_config(self.args, self.stop_token_id, self.pad_token_id, self.suppressed)
-        out = policy.generate(**encoded, generation_config=config)
+        with merged_adapters(policy, self.args.merge_adapters_for_sampling):
+            out = policy.generate(**encoded, generation_config=config)
         return out[:, encoded["input_ids"].shape[1]:]
 
     def rollout(self, policy, rows: list[dict]) -> Rollout:
@@ -461,7 +467,9 @@ class TapmAdapter(PolicyAdapter):
         flat = prefix[image_mask]  # sentences, story-major
         ids, attention = policy.prompt(flat)
         config = _generation_config(self.args, self.stop_token_id, self.pad_token_id)
-        out = policy.generate(input_ids=ids, attention_mask=attention, visual_prefix=flat, generation_config=config)
+        with merged_adapters(policy, self.args.merge_adapters_for_sampling):
+            out = policy.generate(input_ids=ids, attention_mask=attention, visual_prefix=flat,
+                                  generation_config=config)
         new = out[:, ids.shape[1]:]
         response, lengths, ended = truncate_responses(new, self.stop_token_id, self.pad_token_id)
         story = torch.repeat_interleave(torch.arange(len(rows), device=device), image_mask.sum(dim=1))
