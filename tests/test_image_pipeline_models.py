@@ -139,6 +139,34 @@ def test_rovist_vg_fast_close_to_exact_and_each_path_its_own(rovist, regions, mo
         rovist.embed_regions(regions, load_regions, 16, "slow")
 
 
+
+def interleaved(regions):
+    """The regions image by image in turn (A0 B0 C0 A1 B1 ...): region_batches hands them back grouped
+    by image, so a result matched by position instead of by its batch's own regions goes wrong."""
+    per_image: dict = {}
+    for r in regions:
+        per_image.setdefault(r.source, []).append(r)
+    lists = list(per_image.values())
+    return [lst[i] for i in range(max(map(len, lists))) for lst in lists if i < len(lst)]
+
+
+def spy_batch_sizes(monkeypatch, obj):
+    sizes, encode = [], obj._encode_images
+    monkeypatch.setattr(obj, "_encode_images", lambda pixels: sizes.append(len(pixels)) or encode(pixels))
+    return sizes
+
+
+def test_rovist_vg_fast_keeps_interleaved_regions_and_the_batch_size(rovist_vg_dir, rovist, regions, monkeypatch):
+    from storyrl.models.rovist_vg import RovistVGEmbedder
+
+    mixed = interleaved(regions)
+    assert [r.source for r in mixed[:2]] != [mixed[0].source] * 2
+    sizes = spy_batch_sizes(monkeypatch, rovist)
+    fast = rovist.embed_regions(mixed, refuse, 4, "fast")
+    assert max(sizes) == 4 and sum(sizes) == len(regions)  # the user's batch_size bounds each forward
+    exact = RovistVGEmbedder(rovist_vg_dir, "cpu", "fp32").embed_regions(mixed, load_regions, 16, "exact")
+    np.testing.assert_allclose(fast, exact, atol=UNIT_TOL)
+
 def test_rovist_vg_caches_keep_the_pipelines_apart(rovist, regions):
     n = len(regions)
     fast = rovist.embed_regions(regions, load_regions, 64, "fast")
@@ -256,6 +284,19 @@ def test_cosmic_fast_close_to_exact_caches_apart_and_half_precision(cosmic_spec,
         np.testing.assert_allclose(half, fast, atol=precision_tolerance(precision, fast))
 
 
+
+def test_cosmic_fast_order_duplicates_and_batch_size(cosmic_spec, pictures, monkeypatch):
+    from storyrl.models.cosmic import CosmicEncoders
+
+    sources = [pictures[2], pictures[0], pictures[2], pictures[1], pictures[-1]]
+    enc = CosmicEncoders(cosmic_spec, "cpu", "fp32", batch_size=2)
+    sizes = spy_batch_sizes(monkeypatch, enc)
+    fast = enc.embed_images(sources, "fast")
+    assert max(sizes) == 2 and sum(sizes) == 4  # batch_size bounds each forward; the repeat embedded once
+    exact = CosmicEncoders(cosmic_spec, "cpu", "fp32").embed_images(sources, "exact")
+    np.testing.assert_allclose(_unit(fast), _unit(exact), atol=UNIT_TOL)
+    np.testing.assert_array_equal(fast[0], fast[2])
+
 def test_cosmic_falls_back_to_exact_and_says_so_once(tiny_bert, pictures, caplog):
     from storyrl.models.cosmic import CosmicEncoders, EncoderSpec
 
@@ -346,6 +387,39 @@ def test_features_fast_close_to_exact_in_order(pictures, table, monkeypatch):
     cos = _unit(fast["boxes"][:, :2].flatten(0, 1).numpy()) @ _unit(exact["boxes"][:, :2].flatten(0, 1).numpy()).T
     assert (cos.argmax(axis=1) == np.arange(len(cos))).all()
 
+
+def test_features_fast_interleaved_and_repeated_regions(pictures, regions):
+    """Regions of several images in turn, one of them twice: each row is its own region's features."""
+    mixed = interleaved(regions)
+    mixed = [*mixed, mixed[1]]
+    fast = _extractor("fast")._fast_features(0, mixed, 4).numpy()
+    ext = _extractor("exact")
+    exact = ext._embed(0, load_regions(mixed)).numpy()
+    np.testing.assert_allclose(_unit(fast), _unit(exact), atol=UNIT_TOL)
+    np.testing.assert_array_equal(fast[-1], fast[1])
+
+
+def test_features_each_backbone_its_own_preprocessing(pictures):
+    """With --vit, each backbone's fast pixels follow its own transform: here the second's Normalize
+    differs from the first's (as resnet101's ImageNet mean/std and an augreg ViT's 0.5 do)."""
+    from torchvision import transforms as T
+
+    from storyrl.generators.tapm.features import FeatureExtractor
+
+    keys = [str(k) for k in range(len(pictures))]
+    got = {}
+    for pipeline in ("exact", "fast"):
+        torch.manual_seed(0)
+        ext = FeatureExtractor("test_resnet", vit="test_vit", pretrained=False, device="cpu", image_pipeline=pipeline)
+        steps = [T.Normalize(mean=(0.5,) * 3, std=(0.5,) * 3) if isinstance(t, T.Normalize) else t
+                 for t in ext.transforms[1].transforms]
+        ext.transforms[1] = T.Compose(steps)
+        got[pipeline] = ext(pictures, keys)["image"][:, 0].numpy()
+    dim = ext.models[0].num_features
+    assert got["exact"].shape[1] > dim  # both backbones' features
+    for part in (slice(None, dim), slice(dim, None)):
+        np.testing.assert_allclose(_unit(got["fast"][:, part]), _unit(got["exact"][:, part]), atol=UNIT_TOL)
+
 def test_features_unreadable_image_is_the_same_error(pictures, broken):
     for pipeline in ("exact", "fast"):
         with pytest.raises(ImageError, match="broken.jpg"):
@@ -391,5 +465,9 @@ def test_features_cli_image_pipeline(pictures, tmp_path):
         assert result.exit_code == 0, result.output
         backbones = json.loads((tmp_path / pipeline / "index.json").read_text())["backbones"]
         assert backbones.get("image_pipeline", "exact") == pipeline
+    result = runner.invoke(main, [*base, "--out", str(tmp_path / "default")])
+    assert result.exit_code == 0, result.output
+    backbones = json.loads((tmp_path / "default" / "index.json").read_text())["backbones"]
+    assert backbones.get("image_pipeline", "exact") == ClipConfig.image_pipeline == "fast"  # the rewards' default
     bad = runner.invoke(main, [*base, "--out", str(tmp_path / "x"), "--image-pipeline", "slow"])
     assert bad.exit_code != 0 and "'slow' is not one of 'exact', 'fast'" in bad.output

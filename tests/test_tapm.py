@@ -247,6 +247,16 @@ def test_tapm_generator_writes_a_story_per_record(trained, data, tmp_path):
 
     store_pipeline = FeatureStore(data["features"]).backbones.get("image_pipeline", "exact")
     assert on_the_fly._extractor.image_pipeline == store_pipeline == "fast"
+    # A model whose backbones name no pipeline came from an exact store (or one older than the option).
+    import shutil
+
+    older = shutil.copytree(trained["out"] / "best", tmp_path / "older")
+    config = json.loads((older / "config.json").read_text())
+    del config["backbones"]["image_pipeline"]
+    (older / "config.json").write_text(json.dumps(config))
+    generator = create_generator("tapm", model=str(older), image_root=str(data["images"]), max_new_tokens=2)
+    assert not generator.generate(records[:1]).failures
+    assert generator._extractor.image_pipeline == "exact"
     out.save(tmp_path / "stories.json")
     assert json.loads((tmp_path / "stories.json").read_text()) == out.stories
 
