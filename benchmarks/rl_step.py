@@ -129,6 +129,7 @@ sys.path.insert(0, str(REPO / "tests"))  # tiny_models: save_tiny_clip, save_coh
 GROOVIST_DATA = REPO.parent / "shared" / "data" / "groovist"
 
 TARGET = 0.10  # reward time / step time
+GENERATION_TARGET = 1.25  # generation phase / plain generate on the same model, batch and lengths (issue 32)
 PHASES = ("generation", "forward", "reward", "optimisation")
 
 # -- synthetic VIST-like stories (lower-cased, tokenised) -----------------------------------
@@ -236,7 +237,7 @@ NP_EXTRACTORS = {"spacy-sm-shape": SpacyShapedPhrases, "regex": NounPhrases}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5, help="timed steps per algorithm (default 5)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per algorithm (default 8)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
     p.add_argument("--batch", type=int, default=8, help="stories scored per step (default 8)")
     p.add_argument("--generations", type=int, default=4, help="GRPO completions per prompt (default 4)")
@@ -244,10 +245,21 @@ def parse_args(argv=None):
     p.add_argument("--policy-size", choices=sorted(POLICY_SIZES), default="tiny")
     p.add_argument("--reward", choices=["dhm", "repetition", "both"], default="dhm",
                    help="the composite d_HM reward (default), RoViST-NR alone, or both one after the other")
-    p.add_argument("--algorithms", default="ppo,grpo", help="comma-separated: ppo, grpo (default both)")
+    p.add_argument("--algorithms", default="ppo,grpo,rloo", help="comma-separated: ppo, grpo, rloo (default all)")
     p.add_argument("--ppo-epochs", type=int, default=4, help="PPO epochs per rollout (storyrl's default 4)")
     p.add_argument("--grpo-beta", type=float, default=0.04,
-                   help="GRPO KL coefficient (default 0.04: a reference forward as PPO has; TRL 1.16's default is 0)")
+                   help="GRPO and RLOO KL coefficient (default 0.04: a reference forward as PPO has; TRL 1.16's "
+                        "GRPO default is 0)")
+    p.add_argument("--lora", choices=["off", "on"], default="on",
+                   help="LoRA adapters on the policy (r 16, alpha 32, dropout 0.05 on q/k/v/o, as the shipped "
+                        "configs; default on), or full fine-tuning")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="activation checkpointing on for every algorithm (default off)")
+    p.add_argument("--merge-adapters-for-sampling", choices=["on", "off"], default="on",
+                   help="RLConfig merge_adapters_for_sampling (default on, storyrl's default; off: sample through "
+                        "peft's unmerged layers, as before issue 32)")
+    p.add_argument("--generate-repeats", type=int, default=3,
+                   help="plain generate replays per timed step and variant, median taken (default 3)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: tiny models gain nothing from more; 0 keeps torch's default)")
@@ -265,9 +277,11 @@ def parse_args(argv=None):
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    bad = [a for a in args.algorithms if a not in ("ppo", "grpo")]
+    bad = [a for a in args.algorithms if a not in RUNNERS]
     if bad or not args.algorithms:
-        p.error(f"--algorithms: unknown {bad}; use ppo, grpo")
+        p.error(f"--algorithms: unknown {bad}; use ppo, grpo, rloo")
+    if args.generate_repeats < 1:
+        p.error("--generate-repeats must be >= 1")
     if args.batch % args.generations:
         p.error(f"--batch ({args.batch}) must be divisible by --generations ({args.generations})")
     if args.steps < 1 or args.warmup < 0:
@@ -427,17 +441,22 @@ def rl_config(assets: dict, args, reward: str, algorithm: str, out: Path, prepar
     mapping = {
         "algorithm": algorithm, "model": assets["policy"], "data": assets["data"], "output_dir": str(out),
         "rewards": assets["rewards"][reward], "max_steps": steps, "seed": 0, "prompt": "P3", "report_to": "none",
-        "prepare_rewards": prepare,
+        "prepare_rewards": prepare, "merge_adapters_for_sampling": args.merge_adapters_for_sampling == "on",
     }
+    if args.lora == "on":
+        mapping["lora"] = {"enabled": True, "r": 16, "alpha": 32, "dropout": 0.05,
+                           "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
     if algorithm == "ppo":
         mapping["ppo"] = {"per_device_train_batch_size": args.batch, "response_length": args.max_new_tokens,
-                          "num_ppo_epochs": args.ppo_epochs, "save_steps": None, "logging_steps": 1}
+                          "num_ppo_epochs": args.ppo_epochs, "save_steps": None, "logging_steps": 1,
+                          "gradient_checkpointing": args.gradient_checkpointing}
     else:
-        mapping["grpo"] = {"per_device_train_batch_size": args.batch, "num_generations": args.generations,
-                           "max_completion_length": args.max_new_tokens, "beta": args.grpo_beta,
-                           "logging_steps": 1, "save_strategy": "no", "gradient_checkpointing": False}
+        mapping[algorithm] = {"per_device_train_batch_size": args.batch, "num_generations": args.generations,
+                              "max_completion_length": args.max_new_tokens, "beta": args.grpo_beta,
+                              "logging_steps": 1, "save_strategy": "no",
+                              "gradient_checkpointing": args.gradient_checkpointing}
         if args.device == "cpu":
-            mapping["grpo"].update(use_cpu=True, bf16=False)
+            mapping[algorithm].update(use_cpu=True, bf16=False)
     return RLConfig.from_mapping(mapping)
 
 
@@ -555,13 +574,16 @@ class TimedReward:
             self.calls[-1]["total"] = time.perf_counter() - t0
 
 
-def step_callback(clock: Clock, steps: list[dict]):
+def step_callback(clock: Clock, steps: list[dict], recorder=None):
     """A TrainerCallback recording each optimisation step's wall time and
-    the clock's phases during it."""
+    the clock's phases during it (and telling ``recorder`` where each step
+    starts)."""
     from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if recorder is not None:
+                recorder.next_step()
             _sync(clock.device)
             clock.phases = {}
             self.t0 = time.perf_counter()
@@ -569,6 +591,8 @@ def step_callback(clock: Clock, steps: list[dict]):
         def on_step_end(self, args, state, control, **kwargs):
             _sync(clock.device)
             steps.append({"step": time.perf_counter() - self.t0, **clock.phases})
+            if recorder is not None:  # after the step's clock: plain generate on its inputs
+                recorder.step_done(kwargs["model"])
 
     return StepTimes()
 
@@ -605,10 +629,14 @@ def _peak_mib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_ppo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple[list[dict], list[dict], float | None]:
+def run_ppo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple:
     """Per timed step: step, generation, forward, reward, optimisation
     (PPO's own ``time/*`` laps); the timed reward calls' records
-    (:class:`TimedReward`); the seconds of the rewards' preparation."""
+    (:class:`TimedReward`); the seconds of the rewards' preparation; plain
+    ``generate`` on the run's model next to the generation phase
+    (:func:`rl_generate.summary`)."""
+    from rl_generate import GenerateRecorder, summary
+
     from storyrl.training.rl.policy import lora_config
     from storyrl.training.rl.ppo import PPOTrainer
 
@@ -626,24 +654,38 @@ def run_ppo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple[
     def quiet(tqdm):  # PPO's progress bar
         return lambda *a, **kw: tqdm(*a, **{**kw, "disable": True})
 
+    def counted(step):  # the recorder learns where each PPO step starts, and replays it after its laps
+        def inner(self, *a, **kw):
+            recorder.next_step()
+            out = step(self, *a, **kw)
+            recorder.step_done(self.policy)
+            return out
+
+        return inner
+
+    recorder = GenerateRecorder(args.device, args.warmup, args.generate_repeats)
     _reset_peak(args.device)
-    with patched(tqdm.auto, "tqdm", quiet):
+    with patched(tqdm.auto, "tqdm", quiet), patched(PPOTrainer, "_step", counted), recorder.recording():
         result = trainer.train()
     steps = []
     for h in result.history[args.warmup:]:
         row = {"step": h["time/step"], "generation": h["time/generation"], "forward": h["time/forward"],
                "reward": h["time/reward"], "ppo_optimization": h["time/optimization"]}
         steps.append(_with_rest(row, h))
-    return steps, calls[args.warmup:], prepare_s
+    recorder.merged_after_run(trainer.policy)
+    return steps, calls[args.warmup:], prepare_s, summary(recorder, [s["generation"] for s in steps])
 
 
-def run_grpo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple[list[dict], list[dict], float | None]:
+def run_trl(algorithm: str, assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple:
+    """GRPO or RLOO (TRL's trainer through ``train_trl``): as :func:`run_ppo`."""
     import torch
-    from trl import GRPOTrainer
+    import trl
+    from rl_generate import GenerateRecorder, summary
 
     from storyrl.training.rl.trl_trainers import train_trl
 
-    config = rl_config(assets, args, reward, "grpo", out, prepare)
+    trainer_class = trl.GRPOTrainer if algorithm == "grpo" else trl.RLOOTrainer
+    config = rl_config(assets, args, reward, algorithm, out, prepare)
     clock = Clock(args.device)
     calls: list[dict] = []
     plain = build_rewards(config, args.noun_phrases)
@@ -663,16 +705,30 @@ def run_grpo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple
 
         return wrap
 
+    recorder = GenerateRecorder(args.device, args.warmup, args.generate_repeats)
     _reset_peak(args.device)
-    with patched(GRPOTrainer, "_generate", timed("generation")), \
-            patched(GRPOTrainer, "_get_per_token_logps_and_entropies", timed("forward", only_without_grad=True)):
+    with patched(trainer_class, "_generate", timed("generation")), \
+            patched(trainer_class, "_get_per_token_logps_and_entropies", timed("forward", only_without_grad=True)), \
+            recorder.recording():
         trainer = train_trl(config, policy, dataset, rewards, progress=False,
-                            callbacks=[step_callback(clock, steps)])
+                            callbacks=[step_callback(clock, steps, recorder)])
     history = [h for h in trainer.state.log_history if "reward" in h]
     out_steps = []
     for row, h in zip(steps[args.warmup:], history[args.warmup:]):
         out_steps.append(_with_rest({"step": row["step"], **{p: row.get(p, 0.0) for p in PHASES[:3]}}, h))
-    return out_steps, calls[args.warmup:], prepare_s
+    recorder.merged_after_run(trainer.accelerator.unwrap_model(trainer.model))
+    return out_steps, calls[args.warmup:], prepare_s, summary(recorder, [s["generation"] for s in out_steps])
+
+
+def run_grpo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple:
+    return run_trl("grpo", assets, args, reward, out, prepare)
+
+
+def run_rloo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple:
+    return run_trl("rloo", assets, args, reward, out, prepare)
+
+
+RUNNERS = {"ppo": run_ppo, "grpo": run_grpo, "rloo": run_rloo}
 
 
 def _with_rest(row: dict, logged: dict) -> dict:
@@ -741,6 +797,38 @@ def report(summary: dict) -> None:
           f"{'n/a' if tokens is None else f'{tokens:.1f}'}{extra}")
     print(f"  reward share {100 * s['reward']:.1f} % of the step -> {summary['verdict']} "
           f"(target <= {100 * TARGET:.0f} %)")
+    report_generate(summary.get("generate"))
+
+
+def report_generate(g: dict | None) -> None:
+    """The generation phase next to plain generate (rl_generate.compare)."""
+    if not g:
+        return
+    if "error" in g:
+        print(f"  plain generate: {g['error']}")
+        return
+    ms = g["ms_per_token"]
+    variants = [v for v in ("plain", "unmerged", "merged") if v in ms]
+    print(f"  generation vs plain generate ({g['steps']} timed steps, rows x decoding steps "
+          f"{g['rows'][0][0]} x {[d for step in g['decoding_steps'] for d in step]}, median of {g['repeats']} "
+          f"replays): ms per token: RL phase {ms['generation']:.3f}, RL generate call {ms['generate_call']:.3f}, "
+          + ", ".join(f"plain {v} {ms[v]:.3f}" for v in variants))
+    ratio = g["generation_over_generate"]
+    verdict = "PASS" if ratio <= GENERATION_TARGET else "FAIL"
+    extra = (f"; vs unmerged {g['generation_over_generate_unmerged']:.2f}x, plain unmerged / merged "
+             f"{g['unmerged_over_merged']:.2f}x" if "unmerged_over_merged" in g else "")
+    print(f"  generation_over_generate {ratio:.2f}x (vs {g['reference']}; the generate call alone "
+          f"{g['generate_call_over_generate']:.2f}x){extra} -> {verdict} (target <= {GENERATION_TARGET})")
+
+
+def generation_ratios(results: list[dict]) -> dict[str, float]:
+    """Per algorithm, the largest ``generation_over_generate`` of its runs."""
+    out: dict[str, float] = {}
+    for r in results:
+        ratio = (r.get("generate") or {}).get("generation_over_generate")
+        if ratio is not None:
+            out[r["algorithm"]] = max(ratio, out.get(r["algorithm"], ratio))
+    return out
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -802,8 +890,8 @@ def main(argv=None) -> int:
                     t0 = time.perf_counter()
                     label = f"{name}{'_prepared' if prepare else ''}"
                     try:
-                        run = run_ppo if name == "ppo" else run_grpo
-                        steps, calls, prepare_s = run(assets, args, kind, tmp / f"out_{kind}_{label}", prepare)
+                        steps, calls, prepare_s, generate = RUNNERS[name](assets, args, kind,
+                                                                          tmp / f"out_{kind}_{label}", prepare)
                     except Exception as exc:  # report the other runs' figures anyway
                         import traceback
 
@@ -812,7 +900,8 @@ def main(argv=None) -> int:
                         failed = True
                         continue
                     summary = {"reward": kind, **summarise(name, steps, calls, _peak_mib(args.device)),
-                               "prepared": prepare, "prepare_s": prepare_s, "run_s": time.perf_counter() - t0}
+                               "prepared": prepare, "prepare_s": prepare_s, "run_s": time.perf_counter() - t0,
+                               "generate": generate}
                     report(summary)
                     if prepare == variants[-1]:
                         pair.append(summary)
@@ -827,8 +916,19 @@ def main(argv=None) -> int:
                 if a["peak_cuda_mib"] is not None:
                     print(f"peak CUDA memory {a['algorithm'].upper()} {a['peak_cuda_mib']:.0f} MiB, "
                           f"{b['algorithm'].upper()} {b['peak_cuda_mib']:.0f} MiB")
+        ratios = generation_ratios(results)
+        if ratios:
+            print("\ngeneration_over_generate (worst run per algorithm): "
+                  + ", ".join(f"{k.upper()} {v:.2f}x" for k, v in ratios.items())
+                  + f" -> {'PASS' if max(ratios.values()) <= GENERATION_TARGET else 'FAIL'} "
+                  f"(target <= {GENERATION_TARGET}); load average now "
+                  f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
         if args.json:
             args.json.write_text(json.dumps(dict(
+                generation_over_generate=ratios, generation_target=GENERATION_TARGET, lora=args.lora,
+                gradient_checkpointing=args.gradient_checkpointing,
+                merge_adapters_for_sampling=args.merge_adapters_for_sampling,
+                generate_repeats=args.generate_repeats,
                 reward=args.reward, policy_size=args.policy_size, batch=args.batch, generations=args.generations,
                 max_new_tokens=args.max_new_tokens, steps=args.steps, warmup=args.warmup,
                 ppo_epochs=args.ppo_epochs, grpo_beta=args.grpo_beta, device=args.device,

@@ -113,31 +113,49 @@ def test_what_cannot_be_merged_exactly_samples_unmerged(case):
 
 @pytest.fixture
 def generate_spy(monkeypatch):
-    """Per ``generate`` call: the number of peft LoRA layers in the model
-    that samples (0: merged)."""
-    from transformers.generation.utils import GenerationMixin
+    """``lora``: per ``generate`` call, the number of peft LoRA layers in the
+    model that samples (0: merged); ``widths``: the token widths of the
+    LLaMA forwards inside them (a KV cache feeds one token per decoding
+    step after the prompt's)."""
+    from types import SimpleNamespace
 
-    seen, original = [], GenerationMixin.generate
+    from transformers.generation.utils import GenerationMixin
+    from transformers.models.llama import modeling_llama
+
+    spy = SimpleNamespace(lora=[], widths=[], inside=0)
+    original, forward = GenerationMixin.generate, modeling_llama.LlamaModel.forward
 
     def generate(self, *args, **kwargs):
-        seen.append(len(lora_layers(self)))
-        return original(self, *args, **kwargs)
+        spy.lora.append(len(lora_layers(self)))
+        spy.inside += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spy.inside -= 1
+
+    def recording_forward(self, input_ids=None, *args, **kwargs):
+        if spy.inside and input_ids is not None:
+            spy.widths.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
 
     monkeypatch.setattr(GenerationMixin, "generate", generate)
-    return seen
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", recording_forward)
+    return spy
 
 
 @pytest.mark.parametrize("merge", [True, False], ids=["merged", "unmerged"])
 def test_ppo_samples_on_merged_weights_and_computes_the_sampled_logprobs(tmp_path, generate_spy, merge):
     """PPO's log-probabilities (the unmerged model's forward) equal the
     scores generate sampled from on the merged weights; the option off
-    samples through peft's layers."""
+    samples through peft's layers. With activation checkpointing on, the
+    decoding still uses the KV cache (one token per forward)."""
     from test_ppo import WordCount, ppo_args, sampling_logprobs_agree, text_dataset
 
     from storyrl.training.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
-    args = ppo_args(tmp_path, temperature=0.7, response_length=6, merge_adapters_for_sampling=merge)
+    args = ppo_args(tmp_path, temperature=0.7, response_length=6, merge_adapters_for_sampling=merge,
+                    gradient_checkpointing=True)
     trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), WordCount(), args, text_dataset(),
                          processing_class=tokenizer,
                          peft_config=peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
@@ -148,7 +166,8 @@ def test_ppo_samples_on_merged_weights_and_computes_the_sampled_logprobs(tmp_pat
                 param.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in (CORPUS[1], "Tell me a story.")]
     sampling_logprobs_agree(trainer, rows)
-    assert generate_spy == [0 if merge else 4]
+    assert generate_spy.lora == [0 if merge else 4]
+    assert len(generate_spy.widths) > 2 and set(generate_spy.widths[1:]) == {1}
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +180,7 @@ def rl_assets(tmp_path_factory):
     return {"data": str(data), "model": tiny_models.save_tiny_llama(root / "llama", tiny_models.TAPM_TEXTS)}
 
 
-@pytest.mark.parametrize("algorithm,merge", [("grpo", True), ("grpo", False), ("rloo", True)])
+@pytest.mark.parametrize("algorithm,merge", [("grpo", True), ("grpo", False), ("rloo", True)])  # rloo: with GC
 def test_grpo_and_rloo_sample_on_merged_weights_and_keep_the_base(rl_assets, tmp_path, generate_spy, algorithm,
                                                                    merge):
     from storyrl.training.rl.config import RLConfig
@@ -172,7 +191,7 @@ def test_grpo_and_rloo_sample_on_merged_weights_and_keep_the_base(rl_assets, tmp
         "rewards": ["bleu"], "max_steps": 1, "prompt": "P1", "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": TARGETS},
         "merge_adapters_for_sampling": merge,
         algorithm: {"per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 6,
-                    "beta": 0.1, "save_strategy": "no", "gradient_checkpointing": False}})
+                    "beta": 0.1, "save_strategy": "no", "gradient_checkpointing": algorithm == "rloo"}})
     from transformers import TrainerCallback
 
     class Snapshot(TrainerCallback):
@@ -184,7 +203,9 @@ def test_grpo_and_rloo_sample_on_merged_weights_and_keep_the_base(rl_assets, tmp
 
     snapshot = Snapshot()
     train(config, progress=False, callbacks=[snapshot])
-    assert generate_spy == [0 if merge else 4]  # 2 layers x q_proj, v_proj
+    assert generate_spy.lora == [0 if merge else 4]  # 2 layers x q_proj, v_proj
+    # the KV cache on (rloo: under activation checkpointing)
+    assert len(generate_spy.widths) > 2 and set(generate_spy.widths[1:]) == {1}
     # the frozen base: the same parameters, bit for bit
     assert snapshot.before and all(torch.equal(v, snapshot.after[n]) for n, v in snapshot.before.items())
 
