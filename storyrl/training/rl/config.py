@@ -253,7 +253,13 @@ class RLConfig(StorytellerConfig):
     def _problems(self) -> list[str]:
         # What needs the built algorithm configs or the policy's kind; the
         # other problems were refused by _check_run_problems before the build.
+        from storyrl.training.rl.vllm_options import vllm_problems
+
         problems = self._precision_problems()
+        for name in ("grpo", "rloo"):
+            section = getattr(self, name)
+            if section is not None:
+                problems += vllm_problems(name, getattr(section, _GIVEN, None) or {}, section, self.load_in_4bit)
         kind = self.policy_kind(read_hub=False)
         if kind == "tapm":
             if self.algorithm != "ppo":

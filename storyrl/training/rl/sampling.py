@@ -19,6 +19,10 @@ A layer that cannot be merged exactly this way (a quantised base:
 bitsandbytes 4-bit/8-bit, a LoRA variant such as DoRA, ``lora_bias``,
 DeepSpeed ZeRO-3 / FSDP shards, an adapter already merged or disabled) makes
 the whole model sample unmerged, with one log line saying why.
+
+:func:`kept_base_weights` is the same guarantee for code that merges in
+place itself (TRL's vLLM weight sync): the base weights it touches are
+copies, the originals come back afterwards.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["lora_layers", "merged_adapters", "unmergeable"]
+__all__ = ["kept_base_weights", "lora_layers", "merged_adapters", "unmergeable"]
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -111,3 +115,35 @@ def merged_adapters(model, enabled: bool = True) -> Iterator[bool]:
         for parent, attribute, layer, original in reversed(swapped):
             layer.get_base_layer().weight.data = original
             setattr(parent, attribute, layer)
+
+
+@contextmanager
+def kept_base_weights(model) -> Iterator[int]:
+    """While inside, the base weights (and biases) of ``model``'s LoRA layers
+    are copies: whatever merges into them in place (peft's
+    ``merge_adapter``/``unmerge_adapter``, which round in bf16/fp16) or
+    replaces them (peft's bitsandbytes merge makes new parameters) is undone
+    on exit, when every base layer gets its original parameters and tensors
+    back. Yields how many layers it guards; sharded weights (ZeRO-3, FSDP:
+    empty or distributed tensors, gathered by the caller) are left alone."""
+    import torch
+
+    saved = []
+    for _, _, layer in lora_layers(model):
+        base = layer.get_base_layer()
+        params = {name: p for name, p in (("weight", base.weight), ("bias", getattr(base, "bias", None)))
+                  if isinstance(p, torch.nn.Parameter) and type(p.data) is torch.Tensor and p.numel() > 0
+                  and not hasattr(p, "ds_id")}
+        if "weight" not in params:
+            continue
+        saved.append((base, {name: (p, p.data) for name, p in params.items()}))
+        for p in params.values():
+            p.data = p.data.clone()
+    try:
+        yield len(saved)
+    finally:
+        for base, params in saved:
+            for name, (param, data) in params.items():
+                param.data = data
+                if getattr(base, name) is not param:
+                    setattr(base, name, param)

@@ -261,6 +261,9 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     monitor = StoryMonitor(weights, output_dir / SAMPLES, is_main=is_main)
     if checkpoint is None and is_main and (output_dir / SAMPLES).exists():
         (output_dir / SAMPLES).unlink()  # a fresh run's samples only
+    if args.use_vllm and args.vllm_mode == "colocate" and args.world_size % args.vllm_tensor_parallel_size:
+        raise ValueError(f"{config.algorithm}.vllm_tensor_parallel_size {args.vllm_tensor_parallel_size} does not "
+                         f"divide the {args.world_size} training process(es): each vLLM engine spans that many")
     if len(dataset) < args.generation_batch_size // args.num_generations:
         # TRL's sampler drops an incomplete round: the run would train nothing (or fail obscurely).
         raise RunFailedError(_no_step(config.algorithm, args, len(dataset)))
@@ -332,10 +335,23 @@ def _merged_sampling(trainer_class: type, enabled: bool) -> type:
     """``trainer_class`` whose transformers ``generate`` samples on merged
     LoRA weights (:func:`storyrl.training.rl.sampling.merged_adapters`;
     TRL samples through peft's unmerged layers). vLLM has its own copy of
-    the weights and is left as it is."""
-    from storyrl.training.rl.sampling import merged_adapters
+    the weights; TRL's sync to it, which merges the adapters in place and
+    back, runs on copies of the base weights
+    (:func:`~storyrl.training.rl.sampling.kept_base_weights`)."""
+    from storyrl.training.rl.sampling import kept_base_weights, merged_adapters
 
     class MergedSampling(trainer_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.use_vllm:  # TRL merges LoRA into the base and back in place to push it to vLLM: kept exact
+                model, sync = self.accelerator.unwrap_model(self.model), self.vllm_generation.sync_weights
+
+                def exact_sync():
+                    with kept_base_weights(model):
+                        return sync()
+
+                self.vllm_generation.sync_weights = exact_sync
+
         def _generate_single_turn(self, *args, **kwargs):
             on = enabled and not self.use_vllm
             with merged_adapters(self.accelerator.unwrap_model(self.model), on):
