@@ -15,10 +15,13 @@ Parts (``--parts``, comma-separated; default all, in this order):
   and the ResNet-50 v2 image tower (COSMiC's) images/s.
 * ``pairs``: RoViST-C (ALBERT-large) pairs/s batched vs one pair per
   forward, with the >= 5x target; Vrank (BERT-large, SimCSE's) likewise.
-* ``rl``: one PPO and one GRPO run (a few steps) of LLaVA-NeXT-7B + LoRA and
-  LLaMA-2-7B 4-bit + LoRA with the ``dhm`` reward, through
-  benchmarks/rl_step.py's runners: time split and peak CUDA memory, next to
-  benchmarks/README.md's 7B memory estimates.
+* ``rl``: one PPO, one GRPO and (not in ``--quick``) one RLOO run (a few
+  steps) of LLaVA-NeXT-7B + LoRA and LLaMA-2-7B 4-bit + LoRA with the
+  ``dhm`` reward, through benchmarks/rl_step.py's runners: time split and
+  peak CUDA memory, next to benchmarks/README.md's 7B memory estimates; and
+  next to each run's generation phase, plain ``generate`` on the same
+  model, LoRA unmerged and merged, with the same inputs and decoding steps
+  (benchmarks/rl_generate.py), and the ratio (target <= 1.25, issue 32).
 * ``deepspeed``: ``storyrl launch`` with configs/accelerate/deepspeed_zero2.yaml
   on one GPU, a few PPO steps of a small policy, in a subprocess.
 
@@ -39,9 +42,10 @@ part's estimate before it starts, and against each expensive row's.
 
 Modes: the default runs every part at full size (~35 minutes on one H100).
 ``--quick`` runs the same parts at full size with less work in each (one
-warm-up and one timed step per RL run, 2 stories in generate, 20 images in
-clip, 50 stories in pairs), the most important first (rl, generate, clip,
-pairs, then arch and deepspeed); its estimates, derived in
+warm-up and one timed step per RL run, 24 new tokens per story there, PPO
+and GRPO only, 2 stories in generate, 20 images in clip, 50 stories in
+pairs), the most important first (rl, generate, clip, pairs, then arch and
+deepspeed); its estimates, derived in
 gpu_suite_report.py from the first H100 run's figures, add up to <= 8
 minutes with the wheels' install. ``--tiny`` shrinks every architecture to a
 layer or two of width 32 and runs what it can on the CPU in well under a
@@ -111,7 +115,8 @@ PARTS = {
     "generate": ("1. `storyrl generate`: batched vs one at a time (fp16, 4-bit, vLLM)", part_generate, 600, 25),
     "clip": ("2. GROOViST / CLIPScore (and ResNet-50 v2) throughput", part_clip, 180, 15),
     "pairs": ("3. RoViST-C and Vrank pairs/s, batched vs one pair per forward", part_pairs, 180, 10),
-    "rl": ("4. PPO and GRPO steps with LoRA (and 4-bit), dhm reward", part_rl, 900, 60),
+    "rl": ("4. PPO, GRPO (and RLOO) steps with LoRA (and 4-bit), dhm reward, next to plain generate", part_rl,
+           900, 60),
     "deepspeed": ("5. DeepSpeed ZeRO-2 through the shipped accelerate config", part_deepspeed, 180, 1),
 }
 

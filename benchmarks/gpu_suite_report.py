@@ -127,9 +127,12 @@ ALLOWANCE = {
     "deepspeed_s": 60,            # a subprocess: python, accelerate and DeepSpeed start, 3 tiny PPO steps
     "arch_s": 10,                 # meta-device counting (no weights); ~5 s on a 2-core CPU
     "rl_assets_s": 5,             # rl_step.py's data and tiny reward models (1 SFT step)
+    "replay_warmup_s": 1,         # rl, per run and plain-generate variant: a 2-token warm-up (LLaVA: image prefill)
+    "merge_4bit_s": 2,            # rl part, LLaMA 4-bit runs: peft merge_and_unload into NF4 after the run
 }
 # --quick's work per part (gpu_suite_parts.py, gpu_suite_rl.py use these sizes)
-QUICK_RL_STEPS = 2                # 1 warm-up + 1 timed step per run (64 new tokens, batch 8: as measured)
+QUICK_RL_STEPS = 2                # 1 warm-up + 1 timed step per run (batch 8, as measured)
+QUICK_RL_TOKENS = 24              # new tokens per story (measured at 64): makes room for plain generate's replays
 QUICK_GEN_CALLS = 20              # 2 stories, visual + prev_sentence: warm-up 2 + one at a time 2 + 10 + batched 1 + 5
 QUICK_GEN_TOKENS = 16
 QUICK_CLIP_IMAGES = 20            # 4 sequences of 5 images
@@ -143,13 +146,26 @@ def _token_s(step_s: float, share: float, tokens: int = 64) -> float:
 _LLAVA_TOKEN_S = _token_s(H100["grpo_llava_step_s"], H100["llava_generation_share"])
 _LLAMA4_TOKEN_S = _token_s(H100["grpo_llama4_step_s"], H100["llama_generation_share"])
 A = ALLOWANCE
+
+
+def _rl_run_s(load_s: float, step64_s: float, token_s: float, extra_s: float = 0.0) -> float:
+    """One --quick RL run: the load, QUICK_RL_STEPS steps of QUICK_RL_TOKENS new tokens (the measured 64-token
+    step less the tokens not generated, at its measured rate), and plain generate replayed, unmerged and
+    merged, for each timed step at that same rate (an upper bound: the RL rate holds the phase's overhead)."""
+    step_s = step64_s - (64 - QUICK_RL_TOKENS) * token_s
+    replays_s = (QUICK_RL_STEPS - 1) * 2 * QUICK_RL_TOKENS * token_s + 2 * A["replay_warmup_s"]
+    return load_s + QUICK_RL_STEPS * step_s + replays_s + extra_s
+
+
 # Row estimates (seconds). PPO's step at 7B was not measured (it stopped at step 1 on that run): taken as
 # GRPO's measured step (generation dominates both; --quick runs PPO with 1 epoch).
+_RL_LLAVA_RUN = _rl_run_s(A["llava_load_s"], H100["grpo_llava_step_s"], _LLAVA_TOKEN_S)
+_RL_LLAMA_RUN = _rl_run_s(A["llama_4bit_load_s"], H100["grpo_llama4_step_s"], _LLAMA4_TOKEN_S, A["merge_4bit_s"])
 QUICK_ROWS = {
-    "rl llava": A["llava_build_save_s"] + 2 * (A["llava_load_s"] + QUICK_RL_STEPS * H100["grpo_llava_step_s"]),
-    "rl llava run": A["llava_load_s"] + QUICK_RL_STEPS * H100["grpo_llava_step_s"],
-    "rl llama": A["llama_build_save_s"] + 2 * (A["llama_4bit_load_s"] + QUICK_RL_STEPS * H100["grpo_llama4_step_s"]),
-    "rl llama run": A["llama_4bit_load_s"] + QUICK_RL_STEPS * H100["grpo_llama4_step_s"],
+    "rl llava": A["llava_build_save_s"] + 2 * _RL_LLAVA_RUN,  # PPO and GRPO
+    "rl llava run": _RL_LLAVA_RUN,
+    "rl llama": A["llama_build_save_s"] + 2 * _RL_LLAMA_RUN,
+    "rl llama run": _RL_LLAMA_RUN,
     # one generate call of 16 new tokens at the measured per-token rate (batch 8 with LoRA: an upper bound)
     "generate fp16": A["llava_load_s"] + QUICK_GEN_CALLS * QUICK_GEN_TOKENS * _LLAVA_TOKEN_S,
     # 4-bit decoding at the measured LLaMA-2-7B 4-bit rate (0.139 s/token vs LLaVA fp16's 0.093)

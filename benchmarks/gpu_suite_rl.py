@@ -1,6 +1,8 @@
-"""The parts of benchmarks/gpu_suite.py that train: rl (PPO and GRPO steps
-through benchmarks/rl_step.py's runners) and deepspeed (``storyrl launch``
-with the shipped ZeRO-2 config, in a subprocess)."""
+"""The parts of benchmarks/gpu_suite.py that train: rl (PPO and GRPO steps,
+and RLOO's at full size, through benchmarks/rl_step.py's runners, each next
+to plain ``generate`` on the same model, merged and unmerged LoRA) and
+deepspeed (``storyrl launch`` with the shipped ZeRO-2 config, in a
+subprocess)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from gpu_suite_arch import LLAMA2_7B
 from gpu_suite_parts import synthetic_stories, write_sequence_images
 from gpu_suite_report import (
     QUICK_RL_STEPS,
+    QUICK_RL_TOKENS,
     Context,
     Section,
     Skip,
@@ -76,7 +79,7 @@ def rl_options(extra: dict):
             for key, value in extra.items():
                 if isinstance(value, dict) and isinstance(mapping.get(key), dict):
                     mapping[key] = {**mapping[key], **value}
-                elif isinstance(value, dict) and key in ("ppo", "grpo") and key not in mapping:
+                elif isinstance(value, dict) and key in ("ppo", "grpo", "rloo") and key not in mapping:
                     continue  # the other algorithm's keys
                 else:
                     mapping[key] = value
@@ -175,6 +178,8 @@ def part_rl(ctx: Context, section: Section) -> None:
     try:
         rl_step = importlib.import_module("rl_step")
         runners = {"ppo": rl_step.run_ppo, "grpo": rl_step.run_grpo}
+        if hasattr(rl_step, "run_rloo"):
+            runners["rloo"] = rl_step.run_rloo
         build_assets, summarise, peak = rl_step.build_assets, rl_step.summarise, rl_step._peak_mib
     except (ImportError, AttributeError) as exc:
         raise Skip(f"benchmarks/rl_step.py's runners are not importable ({_one_line(exc)})") from None
@@ -232,16 +237,32 @@ def _with_precision(spec, precision: str):
 def _rl_row(model: str, algorithm: str, result, run_s: float, summarise, peak_mib, estimate,
             policy_dtype: str | None = None) -> dict:
     """A report row from one of rl_step.py's runners' results: (steps, reward
-    calls[, seconds preparing the rewards])."""
+    calls[, seconds preparing the rewards[, plain generate next to the
+    generation phase (rl_generate.summary)]])."""
     s = summarise(algorithm, result[0], result[1], peak_mib)
     share = s["share"]
     peak_mib = s.get("peak_cuda_mib")
     return {"model": model, "algorithm": algorithm.upper(), "policy weights": policy_dtype,
             "step (s)": s["mean_s"]["step"],
             **{phase: f"{100 * share[phase]:.0f} %" for phase in ("generation", "forward", "reward", "optimisation")},
+            **_generate_columns(result[3] if len(result) > 3 else None),
             "run (s)": run_s, "rewards prepared (s)": result[2] if len(result) > 2 else None,
             "peak GiB": None if peak_mib is None else peak_mib / 1024,
             "README estimate": estimate or "not found in benchmarks/README.md"}
+
+
+def _generate_columns(g: dict | None) -> dict:
+    """The generation phase next to plain generate on the same model, batch,
+    prompts and decoding steps (ms per generated token; ratios paired per
+    timed step, rl_generate.summary)."""
+    g = g if g and "error" not in g else {}
+    ms = g.get("ms_per_token", {})
+    merged = "merged" if "merged" in ms else "plain"
+    return {"RL generation (ms/token)": ms.get("generation"),
+            "plain generate, LoRA unmerged (ms/token)": ms.get("unmerged"),
+            "plain generate, merged (ms/token)": ms.get(merged) if merged in ms else None,
+            "generation / generate": g.get("generation_over_generate"),
+            "target <= 1.25": None if not g else ("PASS" if g["generation_over_generate"] <= 1.25 else "FAIL")}
 
 
 def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, summarise, peak) -> None:
@@ -251,8 +272,10 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
     batch, generations = (4, 2) if ctx.tiny else (8, 4)
     noun_phrases, np_why = noun_phrase_extractor(rl_step, ctx.tiny)
     # rl_step's own parser: its defaults for whatever options it has grown
+    tokens = ctx.pick(16, QUICK_RL_TOKENS, 64)
     args = rl_step.parse_args(["--steps", str(steps), "--warmup", str(warmup), "--batch", str(batch),
-                               "--generations", str(generations), "--max-new-tokens", "16" if ctx.tiny else "64",
+                               "--generations", str(generations), "--max-new-tokens", str(tokens),
+                               "--generate-repeats", "1",
                                "--ppo-epochs", str(ctx.pick(1, 1, 4)), "--sft-steps", "20" if ctx.tiny else "1",
                                "--device", ctx.device, "--reward", "dhm",
                                *(["--noun-phrases", noun_phrases] if noun_phrases else [])])
@@ -285,12 +308,15 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
         ("LLaMA-2-7B 4-bit + LoRA", "llama", {"policy": "causal_lm", "setting": "text", "load_in_4bit": True,
                                               "lora": {"enabled": True, "r": 16, "alpha": 32}}),
     ]
+    # --quick: PPO and GRPO (its plan has no time for a third 7B run); RLOO samples through the same TRL code
+    algorithms = [a for a in (("ppo", "grpo") if ctx.quick or ctx.tiny else ("ppo", "grpo", "rloo"))
+                  if a in runners]
     rows = []
     for label, key, extra in models:
         with row(section, label):
             if not ctx.tiny:
                 ctx.need_cuda(f"the 7B {label} policy")
-            ctx.check(f"rl {key}", 420, 40, f"rl {label}")  # 7B: build, save, PPO and GRPO
+            ctx.check(f"rl {key}", 420, 40, f"rl {label}")  # 7B: build, save, PPO, GRPO (RLOO), the replays
             if extra.get("load_in_4bit"):
                 if not ctx.cuda:
                     extra = {k: v for k, v in extra.items() if k != "load_in_4bit"}
@@ -306,12 +332,12 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
             else:
                 policy = _build_llama_7b(tmp / "llama", [prompt, vocabulary], ctx.device)
             extra = {**extra, "ppo": {"gradient_checkpointing": gc_on},
-                     "grpo": {"gradient_checkpointing": gc_on},
+                     "grpo": {"gradient_checkpointing": gc_on}, "rloo": {"gradient_checkpointing": gc_on},
                      **({"precision": ctx.precision} if ctx.precision != "auto" else {}),
                      # A random 7B writes soup dhm cannot score; PPO counts a story only when every
                      # weighted reward scores it, so dhm is computed and timed at weight 0 and bleu trains.
                      **({} if ctx.tiny else {"reward_weights": [0.0, 1.0]})}
-            for algorithm in ("ppo", "grpo"):
+            for algorithm in algorithms:
                 free_memory()
                 with row(section, f"{label}, {algorithm.upper()}"):  # an OOM in PPO still lets GRPO run
                     ctx.check(f"rl {key} run", 150, 15, f"rl {label} {algorithm}")
@@ -328,6 +354,12 @@ def _part_rl(ctx: Context, section: Section, rl_step, runners, build_assets, sum
             if not ctx.tiny and key == "llama":
                 shutil.rmtree(Path(policy), ignore_errors=True)  # ~13.5 GB of disk (LLaVA's is shared)
     section.table(rows)
+    section.note("generation / generate: the RL step's generation phase (tokenising, generate, decoding; LoRA "
+                 "merged for sampling, storyrl's default) over plain model.generate on the same model, right after "
+                 "each timed step, with the step's prompts, batch, sampling settings and decoding steps, KV cache "
+                 "on, eval mode (benchmarks/rl_generate.py); the reference is the merged model (a 4-bit base: "
+                 "merged into NF4 by peft after the run), median over timed steps of the paired ratio, target "
+                 f"<= 1.25. {args.max_new_tokens} new tokens per story; one replay per variant and step.")
     section.note("rewards prepared: the image side of the data set embedded (and the human stories scored) "
                  "before training by RLConfig prepare_rewards, untimed in the steps (— where rl_step.py cannot).")
     section.note("time split: rl_step.py's phases (generation, no-grad forwards, the dhm reward, the rest = "

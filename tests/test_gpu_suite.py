@@ -194,6 +194,11 @@ def test_rl_time_split_and_estimates(report):
         shares = [float(r[p].rstrip(" %")) for p in ("generation", "forward", "reward", "optimisation")]
         assert abs(sum(shares) - 100) <= 2 and r["reward"] != "0 %", r  # rounded shares of the step
         assert r["README estimate"] == estimates["llava" if r["model"].startswith("LLaVA") else "llama"]
+        # plain generate next to the generation phase, LoRA unmerged and merged (rl_generate.py)
+        unmerged, merged = (float(r[f"plain generate, {v} (ms/token)"]) for v in ("LoRA unmerged", "merged"))
+        assert unmerged > 0 and merged > 0 and float(r["RL generation (ms/token)"]) > 0
+        assert float(r["generation / generate"]) > 0 and r["target <= 1.25"] in ("PASS", "FAIL")
+    assert "- generation / generate: the RL step's generation phase" in sections(report)["rl"]
     # the RLConfig patch is undone after the runs
     from storyrl.training.rl.config import RLConfig
 
@@ -517,6 +522,17 @@ def test_rl_row_shares_and_peak():
     row = gpu_suite_rl._rl_row("M", "grpo", (steps, []), 9.0, rl_step.summarise, None, None)
     assert row["peak GiB"] is None and row["rewards prepared (s)"] is None
     assert row["README estimate"] == "not found in benchmarks/README.md"
+    assert row["generation / generate"] is None and row["target <= 1.25"] is None
+    generate = {"ms_per_token": {"generation": 3.0, "generate_call": 2.8, "unmerged": 4.0, "merged": 2.5},
+                "generation_over_generate": 1.3}
+    row = gpu_suite_rl._rl_row("M", "grpo", (steps, [], 7.5, generate), 9.0, rl_step.summarise, None, None)
+    assert [row[k] for k in ("RL generation (ms/token)", "plain generate, LoRA unmerged (ms/token)",
+                             "plain generate, merged (ms/token)", "generation / generate", "target <= 1.25")] == \
+        [3.0, 4.0, 2.5, 1.3, "FAIL"]
+    plain = {"ms_per_token": {"generation": 3.0, "plain": 2.9}, "generation_over_generate": 1.1}
+    row = gpu_suite_rl._rl_row("M", "grpo", (steps, [], 7.5, plain), 9.0, rl_step.summarise, None, None)
+    assert row["plain generate, LoRA unmerged (ms/token)"] is None and row["plain generate, merged (ms/token)"] == 2.9
+    assert row["target <= 1.25"] == "PASS"
 
 
 def test_budget_counts_the_time_left(tmp_path, monkeypatch):
@@ -652,8 +668,15 @@ def test_quick_plan_fits_eight_minutes_in_order():
     assert gpu_suite.parse_args(["--quick", "--budget-minutes", "5"]).budget_minutes == 5
     # the estimates are the measured figures' arithmetic: e.g. the rl part's GRPO runs
     rows, h100, allow = gpu_suite_report.QUICK_ROWS, gpu_suite_report.H100, gpu_suite_report.ALLOWANCE
-    assert rows["rl llava run"] == allow["llava_load_s"] + gpu_suite_report.QUICK_RL_STEPS * h100["grpo_llava_step_s"]
-    assert rows["rl llama run"] == allow["llama_4bit_load_s"] + gpu_suite_report.QUICK_RL_STEPS * 9.8
+    # a run: load, 2 steps of 24 new tokens (the 64-token step less 40 tokens at its per-token rate), and for the
+    # timed step plain generate replayed unmerged and merged (24 tokens each at that rate, 1 s warm-up each)
+    steps, tokens = gpu_suite_report.QUICK_RL_STEPS, gpu_suite_report.QUICK_RL_TOKENS
+    assert (steps, tokens) == (2, 24)
+    llava_token, llama_token = 7.6 * 0.78 / 64, 9.8 * 0.91 / 64
+    assert rows["rl llava run"] == pytest.approx(
+        allow["llava_load_s"] + 2 * (7.6 - 40 * llava_token) + 2 * 24 * llava_token + 2 * 1)
+    assert rows["rl llama run"] == pytest.approx(
+        allow["llama_4bit_load_s"] + 2 * (9.8 - 40 * llama_token) + 2 * 24 * llama_token + 2 * 1 + 2)
     assert plan["rl"] == allow["rl_assets_s"] + rows["rl llava"] + rows["rl llama"]
 
 
@@ -877,6 +900,7 @@ def test_quick_rl_runs_one_ppo_epoch_with_the_rewards_in_the_precision(tmp_path,
 
     def runner(assets, args, reward, out, prepare=False):
         seen.append((args.ppo_epochs, assets["rewards"]["dhm"]))
+        assert (args.max_new_tokens, args.generate_repeats) == (24 if quick else 64, 1)
         raise RuntimeError("recorded")
 
     spec = {"reward": "dhm", "rewards": {"grounding": {"clip_model": "c"}, "coherence": {"model": "m"}}}
@@ -887,10 +911,11 @@ def test_quick_rl_runs_one_ppo_epoch_with_the_rewards_in_the_precision(tmp_path,
         seen.clear()
         ctx = gpu_suite_report.Context(False, "cuda", gpu_suite_report.Budget(10_000), tmp_path / str(quick),
                                        quick=quick, precision="bf16")
-        gpu_suite_rl._part_rl(ctx, gpu_suite_report.Section("rl", "RL"), rl_step, {"ppo": runner, "grpo": runner},
+        runners = {"ppo": runner, "grpo": runner, "rloo": runner}
+        gpu_suite_rl._part_rl(ctx, gpu_suite_report.Section("rl", "RL"), rl_step, runners,
                               lambda root, args: {"data": "d", "policy": "p", "rewards": {"dhm": [spec]}}, None,
                               lambda device: None)
-        assert len(seen) == 4
+        assert len(seen) == (4 if quick else 6)  # 2 models x PPO, GRPO (and RLOO at full size)
         for ppo_epochs, rewards in seen:
             assert ppo_epochs == epochs
             assert [c["precision"] for c in rewards[0]["rewards"].values()] == ["bf16", "bf16"]

@@ -188,7 +188,8 @@ def test_grpo_and_rloo_sample_on_merged_weights_and_keep_the_base(rl_assets, tmp
 
     config = RLConfig.from_mapping({
         "algorithm": algorithm, "model": rl_assets["model"], "data": rl_assets["data"], "output_dir": str(tmp_path),
-        "rewards": ["bleu"], "max_steps": 1, "prompt": "P1", "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": TARGETS},
+        "rewards": ["bleu"], "max_steps": 1, "prompt": "P1",
+        "lora": {"enabled": True, "r": 4, "alpha": 8, "target_modules": TARGETS},
         "merge_adapters_for_sampling": merge,
         algorithm: {"per_device_train_batch_size": 2, "num_generations": 2, "max_completion_length": 6,
                     "beta": 0.1, "save_strategy": "no", "gradient_checkpointing": algorithm == "rloo"}})
