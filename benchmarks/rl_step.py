@@ -1,11 +1,14 @@
 """Benchmark: where the time of one RL step goes -- generation, the policy's
 no-grad log-probability forwards, the reward, and the optimisation -- for a
-PPO step and a GRPO step with the same composite reward, on the same
-policy, in one run.
+PPO, a GRPO and an RLOO step with the same composite reward, on the same
+policy, in one run; and each generation phase next to plain ``generate``
+on the same model, batch and lengths (issue 32).
 
 What is timed
 -------------
-Both algorithms train the same tiny random LLaMA policy (``--policy-size``)
+The algorithms train the same tiny random LLaMA policy (``--policy-size``;
+LoRA adapters r 16 on q/k/v/o as the shipped configs, ``--lora off`` for
+full fine-tuning)
 on the same prompt dataset against the same reward, through storyrl's
 normal RL path (an :class:`~storyrl.training.rl.config.RLConfig` built here;
 rewards from ``RLConfig.build_rewards`` and set up before training, the
@@ -19,9 +22,9 @@ policy from ``load_policy``, the prompt dataset from ``build_dataset``):
   called TRL-style), ``time/optimization`` (scores, KL, GAE, whitening and
   ``num_ppo_epochs`` of minibatch updates) and ``time/step`` (all of it plus
   the step's metrics); these are the figures.
-* GRPO: TRL's ``GRPOTrainer`` through
+* GRPO and RLOO: TRL's ``GRPOTrainer`` / ``RLOOTrainer`` through
   :func:`storyrl.training.rl.trl_trainers.train_trl` (story monitor,
-  history). Generation is ``GRPOTrainer._generate`` (prompt tokenisation,
+  history). Generation is the trainer's ``_generate`` (prompt tokenisation,
   ``generate``, decoding) and the forwards are the calls of
   ``_get_per_token_logps_and_entropies`` made without grad (the reference
   model's with ``beta > 0``; old-policy ones only when TRL needs them), both
@@ -32,7 +35,7 @@ policy from ``load_policy``, the prompt dataset from ``build_dataset``):
   loss forward/backward, gradient clipping and the optimizer step). TRL's
   own ``step_time`` metric leaves the optimizer step out, so it is not used.
 
-For both, "optimisation" below is the step minus generation, forwards and
+For all, "optimisation" below is the step minus generation, forwards and
 reward: the loss forwards and backwards, the optimizer, and each trainer's
 bookkeeping (advantages, metrics, TRL's padding and gathering, storyrl's
 story statistics). The first ``--warmup`` steps are not counted; the
@@ -40,11 +43,25 @@ figures are means over the next ``--steps``. Each algorithm's defaults are
 kept where they define its cost (PPO: ``num_ppo_epochs`` 4, one minibatch,
 KL to a frozen reference copy; GRPO: one optimisation pass per generation),
 except GRPO's ``beta``: TRL 1.16 defaults to 0 (no reference model); the
-benchmark uses ``--grpo-beta 0.04`` (TRL's earlier default) so both
-algorithms pay for a reference forward. Gradient checkpointing is off for
-both. Both score ``--batch`` stories per step: GRPO as ``--batch /
---generations`` prompts × ``--generations`` completions, PPO as ``--batch``
-prompts with one completion each.
+benchmark uses ``--grpo-beta 0.04`` (TRL's earlier default; RLOO's too) so
+every algorithm pays for a reference forward. Gradient checkpointing is off
+(``--gradient-checkpointing`` turns it on for all). All score ``--batch``
+stories per step: GRPO/RLOO as ``--batch / --generations`` prompts ×
+``--generations`` completions, PPO as ``--batch`` prompts with one
+completion each.
+
+Plain generate
+--------------
+Right after each timed step (outside its timed phases) the step's
+``generate`` calls are replayed with plain ``model.generate`` on the run's
+model: same prompts, batch, padding and sampling settings, exactly the
+decoding steps the RL call made, KV cache on, eval mode; LoRA unmerged (as
+peft has it) and merged (the reference); the RNG is restored afterwards
+(:mod:`rl_generate`, which documents the details). Per algorithm
+``generation_over_generate`` is the median over the timed steps of (the
+generation phase / its merged replay), paired step by step; target ≤ 1.25.
+``--merge-adapters-for-sampling off`` runs the RL sampling through peft's
+unmerged layers (storyrl before issue 32).
 
 On CUDA the GRPO timers synchronise the device. PPO's own laps do not:
 GPU work still queued at the end of one phase (e.g. the no-grad forwards)
@@ -99,15 +116,18 @@ sentence-shaped text. The dataset has one such human story and 5 images per
 sequence; the prompt is the d_HM P3 visual prompt (the RL config's default).
 
 Exit status: 0, or 1 if a run fails; 2 for missing packages. PASS/FAIL
-against the target (reward ≤ 10 % of the step, per algorithm) is printed and
-written to ``--json`` but does not change the exit status.
+against the targets (reward ≤ 10 % of the step; generation ≤ 1.25 × plain
+generate, per algorithm) is printed and written to ``--json``
+(``generation_over_generate``: per algorithm, its worst run) but does not
+change the exit status.
 
 Usage::
 
-    python benchmarks/rl_step.py [--steps 5] [--warmup 1] [--sequences N] [--batch 8] [--generations 4]
-        [--max-new-tokens 32] [--policy-size tiny|small] [--reward dhm|repetition|both] [--algorithms ppo,grpo]
-        [--ppo-epochs 4] [--grpo-beta 0.04] [--device cpu|cuda] [--threads 1] [--sft-steps 150] [--json OUT]
-        [--prepare both|on|off] [--noun-phrases spacy-sm-shape|regex]
+    python benchmarks/rl_step.py [--steps 8] [--warmup 1] [--sequences N] [--batch 8] [--generations 4]
+        [--max-new-tokens 32] [--policy-size tiny|small] [--reward dhm|repetition|both]
+        [--algorithms ppo,grpo,rloo] [--ppo-epochs 4] [--grpo-beta 0.04] [--device cpu|cuda] [--threads 1]
+        [--sft-steps 150] [--json OUT] [--prepare both|on|off] [--noun-phrases spacy-sm-shape|regex]
+        [--lora on|off] [--gradient-checkpointing] [--merge-adapters-for-sampling on|off] [--generate-repeats 3]
 """
 
 from __future__ import annotations
