@@ -20,6 +20,12 @@
   built with the generators' prompt templates and sequence images.
 * :mod:`~storyrl.training.rl.trl_trainers`: GRPO and RLOO through TRL's
   trainers with storyrl rewards as reward functions and the story monitor.
+* :mod:`~storyrl.training.rl.sampling`: rollouts sampled on merged LoRA
+  weights, the base restored bit for bit (``merge_adapters_for_sampling``;
+  PPO and GRPO/RLOO with transformers), and TRL's vLLM weight sync kept off
+  the base weights.
+* :mod:`~storyrl.training.rl.vllm_options`: GRPO/RLOO's ``use_vllm`` and
+  ``vllm_*`` keys checked when the config is read.
 * :mod:`~storyrl.training.rl.ppo`: PPO on accelerate (TRL 1.16 has none),
   a subpackage: its config (:mod:`~storyrl.training.rl.ppo.config`), the
   trainer (:mod:`~storyrl.training.rl.ppo.trainer`), pure math
