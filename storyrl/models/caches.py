@@ -14,6 +14,21 @@ from typing import Any
 
 import numpy as np
 
+#: How region pixels are made: "exact" (PIL and the model's own transform, the
+#: authors' scores) or "fast" (worker-process decoding, tensor preprocessing).
+IMAGE_PIPELINES = ("exact", "fast")
+
+
+def pipeline_key(pipeline: str) -> Callable[[Any], Hashable]:
+    """The in-memory cache key of a region's vector made by ``pipeline``
+    (ValueError for an unknown one): exact keeps the key regions always had,
+    another pipeline's vectors get their own, so neither is served for the other."""
+    if pipeline not in IMAGE_PIPELINES:
+        raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+    if pipeline == "exact":
+        return lambda region: region.key
+    return lambda region: (*region.key, pipeline)
+
 
 class LruDict(OrderedDict):
     """A dict that forgets its least recently used entries beyond ``maxsize``."""
@@ -35,10 +50,13 @@ class LruDict(OrderedDict):
             self.popitem(last=False)
 
     def fetch(self, items: Mapping[Hashable, Any], encode: Callable[[list], Iterable],
-              batch_size: int) -> tuple[dict[Hashable, Any], int]:
+              batch_size: int, *, batches: Callable[[list], Iterable[tuple[list, Iterable]]] | None = None,
+              ) -> tuple[dict[Hashable, Any], int]:
         """The vector of every ``{key: item}``: cached ones from the cache,
         the others encoded ``batch_size`` items per ``encode(items)`` call
-        (one vector per item) and cached under their keys. Returns
+        (one vector per item) and cached under their keys; or, given
+        ``batches(items)``, as the ``(items, vectors)`` pairs it yields (in
+        any order: the fast image pipeline's, grouped by image). Returns
         ``({key: vector}, number encoded)``; the vectors are held here, so a
         request of more items than the cache keeps is whole (reading them
         back from the cache after filling it lost the first ones)."""
@@ -50,9 +68,16 @@ class LruDict(OrderedDict):
                 todo.append((key, item))
             else:
                 found[key] = value
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            for (key, _), vec in zip(chunk, encode([item for _, item in chunk])):
+        pending = [item for _, item in todo]
+        if batches is None:
+            chunks = (pending[start : start + batch_size] for start in range(0, len(pending), batch_size))
+            produced = ((chunk, encode(chunk)) for chunk in chunks)
+        else:
+            produced = batches(pending)
+        key_of = {id(item): key for key, item in todo}  # the producer hands back the items themselves
+        for chunk, vecs in produced:
+            for item, vec in zip(chunk, vecs):
+                key = key_of[id(item)]
                 self.put(key, vec)
                 found[key] = vec
         return found, len(todo)

@@ -21,14 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from storyrl.models.caches import DiskEmbeddingCache, LruDict
+from storyrl.models.caches import IMAGE_PIPELINES, DiskEmbeddingCache, LruDict, pipeline_key
 from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
 
 log = logging.getLogger(__name__)
 
-#: How region pixels are made: "exact" (PIL and the model's own transform, the
-#: authors' scores) or "fast" (worker-process decoding, tensor preprocessing).
-IMAGE_PIPELINES = ("exact", "fast")
+__all__ = ["IMAGE_PIPELINES", "ClipEmbedder", "ClipSpec", "clip_embedder", "image_input_dtype"]
 
 
 @dataclass(frozen=True)
@@ -148,13 +146,9 @@ class ClipEmbedder:
         (:mod:`storyrl.images.tensor_preprocess`; ``load`` is not called).
         The two give slightly different vectors, cached apart (in memory and
         on disk). ``[len(regions), dim]`` float32, rows L2-normalised."""
-        if pipeline not in IMAGE_PIPELINES:
-            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        key = pipeline_key(pipeline)
         fast = pipeline == "fast" and self.fast_spec is not None
         variant = "" if pipeline == "exact" else ":" + pipeline
-
-        def key(region):
-            return region.key if pipeline == "exact" else (*region.key, pipeline)
 
         with self._lock:
             # Vectors held here, not read back from the LRU: a call with more

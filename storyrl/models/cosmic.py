@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from storyrl.models.caches import LruDict
+from storyrl.models.caches import LruDict, pipeline_key
 from storyrl.models.runtime import (
     check_finite,
     check_runs,
@@ -204,35 +204,18 @@ class CosmicEncoders:
         be read). ``pipeline``: "exact" (PIL and the tower's transform) or
         "fast" (worker-process decoding, tensor preprocessing); cached apart."""
         from storyrl.images import Region, load_regions
-        from storyrl.models.clip import IMAGE_PIPELINES
 
-        if pipeline not in IMAGE_PIPELINES:
-            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        key = pipeline_key(pipeline)
         fast = pipeline == "fast" and self.fast_spec is not None
-
-        def key(region):  # exact keeps the keys it always had
-            return region.key if pipeline == "exact" else (*region.key, pipeline)
-
         regions = [Region(s) for s in sources]
         with self._lock:
-            # Vectors held here, not read back from the LRU (a request larger than it keeps).
-            got = {}
-            for r in regions:
-                if key(r) not in got and (vec := self.images.get_fresh(key(r))) is not None:
-                    got[key(r)] = vec
-            todo = list({key(r): r for r in regions if key(r) not in got}.values())
-            step = self.batch_size
-            batches = self._fast_batches(todo) if fast else (
-                (todo[i : i + step], self._encode_images(load_regions(todo[i : i + step])))
-                for i in range(0, len(todo), step))
-            for chunk, vecs in batches:
-                for r, vec in zip(chunk, vecs):
-                    self.images.put(key(r), vec)
-                    got[key(r)] = vec
-            self.stats["images_embedded"] += len(todo)
+            vecs, encoded = self.images.fetch(
+                {key(r): r for r in regions}, lambda chunk: self._encode_images(load_regions(chunk)), self.batch_size,
+                batches=self._fast_batches if fast else None)
+            self.stats["images_embedded"] += encoded
         if not regions:
             return np.zeros((0, self.image_dim), np.float32)
-        return np.stack([got[key(r)] for r in regions])
+        return np.stack([vecs[key(r)] for r in regions])
 
     def _fast_batches(self, todo: list):
         from storyrl.images.tensor_preprocess import encoded_batches

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from storyrl.models.caches import LruDict
+from storyrl.models.caches import LruDict, pipeline_key
 from storyrl.models.glove import GloVe
 from storyrl.models.runtime import check_finite, check_runs, resolve_device, resolve_precision, shared_model
 
@@ -261,34 +261,17 @@ class RovistVGEmbedder:
         yet, preprocessed by the model's timm transform; "fast": the regions
         are decoded in worker processes and preprocessed as tensors
         (``load`` is not called). The two are cached apart."""
-        from storyrl.models.clip import IMAGE_PIPELINES
-
-        if pipeline not in IMAGE_PIPELINES:
-            raise ValueError(f"image pipeline must be one of {', '.join(IMAGE_PIPELINES)}, got {pipeline!r}")
+        key = pipeline_key(pipeline)
         fast = pipeline == "fast" and self.fast_spec is not None
 
-        def key(region):  # exact keeps the keys it always had
-            return region.key if pipeline == "exact" else (*region.key, pipeline)
-
         with self._lock:
-            # Vectors held here, not read back from the LRU: a call with more
-            # regions than it keeps would lose the first ones.
-            got = {}
-            for r in regions:
-                if key(r) not in got and (vec := self.regions.get_fresh(key(r))) is not None:
-                    got[key(r)] = vec
-            todo = list({key(r): r for r in regions if key(r) not in got}.values())
-            batches = self._fast_batches(todo, batch_size) if fast else (
-                (todo[i : i + batch_size], self._encode_images(load(todo[i : i + batch_size])))
-                for i in range(0, len(todo), batch_size))
-            for chunk, vecs in batches:
-                for r, vec in zip(chunk, vecs):
-                    self.regions.put(key(r), vec)
-                    got[key(r)] = vec
-            self.stats["regions_embedded"] += len(todo)
+            vecs, encoded = self.regions.fetch(
+                {key(r): r for r in regions}, lambda chunk: self._encode_images(load(chunk)), batch_size,
+                batches=(lambda todo: self._fast_batches(todo, batch_size)) if fast else None)
+            self.stats["regions_embedded"] += encoded
             if not regions:
                 return np.zeros((0, self.model.embed_dim), np.float32)
-            return np.stack([got[key(r)] for r in regions])
+            return np.stack([vecs[key(r)] for r in regions])
 
     def _fast_batches(self, todo: list, batch_size: int):
         from storyrl.images.tensor_preprocess import encoded_batches
