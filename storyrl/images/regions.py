@@ -20,6 +20,7 @@ from typing import Any
 
 from PIL import Image
 
+from storyrl.images.decode_worker import READ_ERRORS, failure_reason
 from storyrl.images.loading import Box, ImageError, Region, _fmt_box, _is_pil, _source_name
 
 REGION_KINDS = ("whole", "grid", "table", "crops")
@@ -31,9 +32,8 @@ def _image_size(image: Any) -> tuple[int, int]:
     try:
         with Image.open(image) as im:  # reads the header only, no pixel decoding
             return im.size
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ImageError(_source_name(image), f"cannot read image: {reason}") from exc
+    except READ_ERRORS as exc:
+        raise ImageError(_source_name(image), failure_reason(exc)) from exc
 
 
 class WholeImage:
