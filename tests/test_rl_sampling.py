@@ -95,17 +95,45 @@ def test_the_base_comes_back_after_an_error():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("case", ["dora", "disabled", "off", "no adapters"])
+@pytest.mark.parametrize("case", ["dora", "disabled", "off", "no adapters", "lora_bias", "already merged"])
 def test_what_cannot_be_merged_exactly_samples_unmerged(case):
-    model, plain, _ = lora_model(use_dora=case == "dora")
+    model, plain, _ = lora_model(use_dora=case == "dora", **({"lora_bias": True} if case == "lora_bias" else {}))
     if case == "dora":
         assert "variant" in unmergeable(lora_layers(model)[0][2])
+    if case == "lora_bias":  # lora_B's bias is not in get_delta_weight: merging the weights would drop it
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name and name.endswith("bias"):
+                    param.fill_(0.5)
+        assert unmergeable(lora_layers(model)[0][2]) == "lora_bias"
+    if case == "already merged":  # the base already holds W + delta: merging again would add it twice
+        model.merge_adapter()
     if case == "no adapters":
         model = plain
+    ids = torch.tensor([[1, 5, 7, 9, 4]])
+    want = logits(model, ids)
     before = lora_layers(model)
     context = model.disable_adapter() if case == "disabled" else torch.no_grad()
     with context, merged_adapters(model, enabled=case != "off") as merged:
         assert not merged and lora_layers(model) == before
+        if case != "disabled":
+            assert torch.equal(logits(model, ids), want)  # sampling sees the policy itself
+
+
+def test_only_the_active_adapter_is_merged():
+    """A second, inactive adapter (a reference or an earlier one) stays out of the sampling weights."""
+    model, plain, _ = lora_model()
+    model.add_adapter("other", peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.other" in name:
+                param.fill_(0.3)
+    model.set_adapter("default")
+    ids = torch.tensor([[1, 5, 7, 9, 4]])
+    want = logits(model, ids)
+    with merged_adapters(model) as merged:
+        assert merged
+        torch.testing.assert_close(logits(model, ids), want, atol=1e-5, rtol=1e-5)
 
 
 # -- the trainers sample merged --------------------------------------------------------------
