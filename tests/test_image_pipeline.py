@@ -43,7 +43,10 @@ def pil_resize(pixels: np.ndarray, out_h: int, out_w: int, filt: str) -> np.ndar
 
 #: (in_h, in_w, out_h, out_w): up, down, mixed, odd, 1-pixel, and both pass orders.
 SIZES = [(7, 5, 23, 31), (40, 33, 9, 14), (1, 1, 5, 3), (1, 9, 4, 4), (13, 1, 3, 8), (17, 19, 17, 6),
-         (60, 20, 12, 22), (31, 41, 13, 9), (9, 9, 9, 9), (2, 50, 3, 7)]
+         (60, 20, 12, 22), (31, 41, 13, 9), (9, 9, 9, 9), (2, 50, 3, 7),
+         # on the pass-order rule's boundary (in_h - out_h == 2 (in_w - out_w): horizontal first), as a
+         # portrait region exactly twice as tall as wide resized to 224 on its short side is
+         (300, 200, 200, 150), (20, 12, 10, 7)]
 
 
 # -- resample: Pillow's weights and passes --------------------------------------------------
@@ -144,6 +147,10 @@ def test_pixel_spec_refuses_what_it_does_not_reproduce():
         "not a torchvision Compose": lambda im: im,
         "no ToTensor": T.Compose([T.Resize(8), T.CenterCrop(8)]),
         "in order": T.Compose([T.CenterCrop(8), T.Resize(8), *tensor]),
+        # only one of each: the settings of a second Resize or Normalize would be lost
+        "Resize, CenterCrop, ToTensor, Normalize in order": T.Compose([T.Resize(10), T.Resize(8), T.CenterCrop(8),
+                                                                      *tensor]),
+        "ToTensor, Normalize in order": T.Compose([T.Resize(8), T.CenterCrop(8), *tensor, tensor[1]]),
     }
     for words, transform in cases.items():
         spec, why = pixel_spec(transform)
@@ -221,6 +228,44 @@ def test_default_precision_backends_within_round_off_of_the_exact_pipeline(scene
     assert (levels > 0.5).float().mean() < 0.02
 
 
+def test_half_precision_pixels_are_the_fp32_ones_rounded_once(scene, transforms):
+    """Scaling and Normalize run in fp32 and round once to the model's dtype (in bf16 they would be
+    off by more than a uint8 level)."""
+    import torch
+
+    _, regions = scene
+    want = region_pixels(regions, transforms["clip"], backend="matrix")
+    for dtype in (torch.float16, torch.bfloat16):
+        got = region_pixels(regions, transforms["clip"], dtype=dtype, backend="matrix")
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype))
+
+
+def test_region_pixels_keeps_the_given_order(scene, transforms):
+    """Regions of several images interleaved (batches come grouped by image): row i is region i's."""
+    _, regions = scene
+    by_source: dict = {}
+    for r in regions:
+        by_source.setdefault(id(r.source) if not isinstance(r.source, str) else r.source, []).append(r)
+    lists = list(by_source.values())
+    mixed = [lst[i] for i in range(max(map(len, lists))) for lst in lists if i < len(lst)]
+    assert mixed != regions
+    import torch
+
+    got = region_pixels(mixed, transforms["clip"], backend="matrix", compute_dtype=torch.float64)
+    assert torch.equal(got, exact_pixels(mixed, transforms["clip"]))
+
+
+def test_crop_bounds_round_as_pillow_and_keep_thin_edge_boxes_inside():
+    from storyrl.images import crop_bounds
+
+    # Pillow's crop (and the authors' img.crop(bbox)) rounds float corners
+    for box in [(10.6, 3.4, 50.5, 40.5), (0.49, 0.51, 99.5, 60.49), (20.5, 21.5, 22.5, 23.5)]:
+        assert crop_bounds(Region("x.jpg", box), 100, 80) == tuple(round(v) for v in box)
+    # a thin box at the right or bottom edge keeps the last column or row, not one past it
+    assert crop_bounds(Region("x.jpg", (99.7, 10, 100, 20)), 100, 80) == (99, 10, 100, 20)
+    assert crop_bounds(Region("x.jpg", (10, 79.8, 20, 80)), 100, 80) == (10, 79, 20, 80)
+
+
 def test_region_batches_group_by_image_and_cover_every_region_once(scene, transforms):
     _, regions = scene
     seen = []
@@ -296,6 +341,35 @@ def pool():
     pool.close()
 
 
+def test_pil_settings_hold_inline_and_in_the_pool_and_a_bomb_is_an_image_error(sources, pool, monkeypatch):
+    """The caller's PIL settings reach the workers with every job: LOAD_TRUNCATED_IMAGES decodes the
+    truncated file everywhere, and an image over MAX_IMAGE_PIXELS (a decompression bomb) is an
+    ImageError everywhere, not a crash."""
+    from PIL import ImageFile
+
+    rgb, truncated = sources[0], sources[5]
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    want = decode_rgb(truncated)
+    assert_same(next(iter(pool.imap([truncated]))), want)
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", False)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # the 33x47 file is over twice that: an error
+    for read in (lambda: load_region(Region(rgb)), lambda: decode_rgb(rgb)):
+        with pytest.raises(ImageError, match="cannot read image: .*decompression bomb"):
+            read()
+    got = next(iter(pool.imap([rgb])))
+    assert isinstance(got, ImageError) and "decompression bomb" in str(got)
+
+
+def test_the_disk_cache_key_names_a_half_precision():
+    from types import SimpleNamespace
+
+    from storyrl.models.clip import ClipEmbedder, ClipSpec
+
+    spec = ClipSpec("ViT-B-32", "openai")
+    keys = {p: ClipEmbedder.cache_key.fget(SimpleNamespace(spec=spec, precision=p)) for p in ("fp32", "fp16", "bf16")}
+    assert keys["fp32"] == spec.key and len(set(keys.values())) == 3  # fp32's key is the one caches always had
+
+
 def test_pool_decodes_every_kind_of_source_as_inline(sources, pool):
     files = [s for s in sources if isinstance(s, str)]
     got = list(decode_sources(sources * 2, pool=pool, inline_below=1))
@@ -358,6 +432,8 @@ def test_a_hanging_file_times_out_and_a_killed_worker_loses_nothing(sources, tmp
         for result in (got[0], got[3]):
             assert isinstance(result, ImageError) and str(fifo) in str(result)
             assert "longer than 1 s" in str(result) or "died" in str(result)
+        # the second one was never killed by hand: it failed for its timeout, at once, not retried
+        assert "decoding took longer than 1 s" in str(got[3])
         for source, result in zip(good * 2, got[1:3] + got[4:]):
             assert_same(result, expected(source))
         assert pool.stats["worker_deaths"] >= 2
