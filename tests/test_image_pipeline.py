@@ -441,6 +441,33 @@ def test_a_hanging_file_times_out_and_a_killed_worker_loses_nothing(sources, tmp
         pool.close()
 
 
+def test_a_file_whose_worker_died_once_is_decoded_again_not_failed(sources, tmp_path):
+    """One death is retried: the worker dies (killed) while it is held on a file; by the retry
+    the path holds a good JPEG, which must come back as its pixels, not as an ImageError."""
+    import shutil
+
+    good = [s for s in sources if isinstance(s, str) and s.endswith(".jpg")][0]
+    target = tmp_path / "comes_later.jpg"
+    os.mkfifo(target)  # opening it blocks the worker until it is killed
+    pool = DecodePool(workers=1, timeout_s=10.0)
+    try:
+        pool.worker_modules(timeout_s=30)  # the worker is up: the next job reaches it at once
+        iterator = pool.imap([str(target), good])
+        waiter = threading.Thread(target=lambda: got.append(next(iterator)))
+        got: list = []
+        waiter.start()
+        time.sleep(0.5)
+        shutil.copyfile(good, tmp_path / "staged.jpg")
+        os.replace(tmp_path / "staged.jpg", target)
+        pool._pool[0].process.kill()
+        waiter.join(timeout=30)
+        assert pool.stats["worker_deaths"] == 1
+        assert_same(got[0], expected(good))
+        assert_same(next(iterator), expected(good))
+    finally:
+        pool.close()
+
+
 def test_workers_that_cannot_start_mean_inline_decoding_not_a_hang(sources, monkeypatch, caplog):
     def no_process(*args, **kwargs):
         raise OSError("no process for you")
