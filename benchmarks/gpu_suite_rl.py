@@ -68,7 +68,7 @@ def rl_options(extra: dict):
     """Let benchmarks/rl_step.py's ``rl_config`` build RLConfigs with
     ``extra`` keys too (policy kind, LoRA, 4-bit; ``ppo``/``grpo`` keys merged),
     without changing rl_step.py."""
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     raw = vars(RLConfig).get("from_mapping")  # None: inherited
     original = RLConfig.from_mapping
@@ -191,7 +191,7 @@ def part_rl(ctx: Context, section: Section) -> None:
 def recorded_policy_dtypes(found: list):
     """Append the weights dtype of every policy storyrl's ``load_policy``
     loads meanwhile to ``found`` (rl_step.py imports it at call time)."""
-    import storyrl.training.rl.policy as policy_module
+    import storyrl.training.storyteller.rl.policy as policy_module
 
     original = policy_module.load_policy
 

@@ -21,7 +21,7 @@ so the run samples what it would have sampled. Variants:
 * ``plain``: a model without LoRA adapters, as it is;
 * ``unmerged``: a LoRA model as it is (peft's layers, ``model.generate``);
 * ``merged``: the same with every LoRA layer replaced by a plain linear
-  holding the merged weights (``storyrl.training.rl.sampling.merged_adapters``:
+  holding the merged weights (``storyrl.training.storyteller.rl.sampling.merged_adapters``:
   the module tree then is what ``merge_and_unload`` leaves; the base model's
   own ``generate``), the reference of a LoRA model. Where the adapters
   cannot be merged that way (a 4-bit base), the run's model is merged for
@@ -119,7 +119,7 @@ class GenerateRecorder:
             self._depth -= 1
 
     def _replay_variants(self, model, calls: list[dict]) -> dict[str, float]:
-        from storyrl.training.rl.sampling import lora_layers, merged_adapters
+        from storyrl.training.storyteller.rl.sampling import lora_layers, merged_adapters
 
         was_training = model.training
         model.eval()

@@ -10,11 +10,11 @@ The algorithms train the same tiny random LLaMA policy (``--policy-size``;
 LoRA adapters r 16 on q/k/v/o as the shipped configs, ``--lora off`` for
 full fine-tuning)
 on the same prompt dataset against the same reward, through storyrl's
-normal RL path (an :class:`~storyrl.training.rl.config.RLConfig` built here;
+normal RL path (an :class:`~storyrl.training.storyteller.rl.config.RLConfig` built here;
 rewards from ``RLConfig.build_rewards`` and set up before training, the
 policy from ``load_policy``, the prompt dataset from ``build_dataset``):
 
-* PPO: storyrl's :class:`~storyrl.training.rl.ppo.PPOTrainer`, built with
+* PPO: storyrl's :class:`~storyrl.training.storyteller.rl.ppo.PPOTrainer`, built with
   the arguments ``storyrl train rl`` gives it. Its history logs per step
   ``time/generation`` (rollout: prompt tokenisation, sampling, stop-token
   cut, decoding), ``time/forward`` (policy + value and reference
@@ -23,7 +23,7 @@ policy from ``load_policy``, the prompt dataset from ``build_dataset``):
   ``num_ppo_epochs`` of minibatch updates) and ``time/step`` (all of it plus
   the step's metrics); these are the figures.
 * GRPO and RLOO: TRL's ``GRPOTrainer`` / ``RLOOTrainer`` through
-  :func:`storyrl.training.rl.trl_trainers.train_trl` (story monitor,
+  :func:`storyrl.training.storyteller.rl.trl_trainers.train_trl` (story monitor,
   history). Generation is the trainer's ``_generate`` (prompt tokenisation,
   ``generate``, decoding) and the forwards are the calls of
   ``_get_per_token_logps_and_entropies`` made without grad (the reference
@@ -97,7 +97,7 @@ Reward preparation
 without ``prepare_rewards`` (the reward embeds a new sequence's image
 regions and scores its human story inside the step that meets it), and
 with it (``RLConfig.prepare_rewards``, as ``storyrl train rl`` does by
-default: :func:`storyrl.training.rl.train.prepare_rewards` embeds every
+default: :func:`storyrl.training.storyteller.rl.train.prepare_rewards` embeds every
 dataset row's regions and scores the human stories before the first step;
 its time is printed and not part of any step).
 
@@ -455,7 +455,7 @@ def _prompt_text(n: int) -> str:
 
 
 def rl_config(assets: dict, args, reward: str, algorithm: str, out: Path, prepare: bool = False):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     steps = args.warmup + args.steps
     mapping = {
@@ -503,9 +503,9 @@ def load(config, rewards: list) -> tuple:
     """The policy and the dataset, then the rewards prepared over the
     dataset when the config says so, as ``storyrl train rl`` does; returns
     them and the seconds the preparation took (None when off)."""
-    from storyrl.training.rl.data import build_dataset
-    from storyrl.training.rl.policy import load_policy
-    from storyrl.training.rl.train import prepare_rewards
+    from storyrl.training.storyteller.rl.data import build_dataset
+    from storyrl.training.storyteller.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.train import prepare_rewards
 
     kind = config.policy_kind()
     policy = load_policy(config, kind)
@@ -657,8 +657,8 @@ def run_ppo(assets: dict, args, reward: str, out: Path, prepare: bool) -> tuple:
     (:func:`rl_generate.summary`)."""
     from rl_generate import GenerateRecorder, summary
 
-    from storyrl.training.rl.policy import lora_config
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.policy import lora_config
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     config = rl_config(assets, args, reward, "ppo", out, prepare)
     calls: list[dict] = []
@@ -702,7 +702,7 @@ def run_trl(algorithm: str, assets: dict, args, reward: str, out: Path, prepare:
     import trl
     from rl_generate import GenerateRecorder, summary
 
-    from storyrl.training.rl.trl_trainers import train_trl
+    from storyrl.training.storyteller.rl.trl_trainers import train_trl
 
     trainer_class = trl.GRPOTrainer if algorithm == "grpo" else trl.RLOOTrainer
     config = rl_config(assets, args, reward, algorithm, out, prepare)

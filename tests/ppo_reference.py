@@ -1,9 +1,9 @@
 """A plain, independent PPO reference for tests/test_ppo_reference.py.
 
-It replays the rollouts that storyrl's :class:`~storyrl.training.rl.ppo.PPOTrainer`
+It replays the rollouts that storyrl's :class:`~storyrl.training.storyteller.rl.ppo.PPOTrainer`
 sampled (recorded by :func:`record`) on its own float64 copy of the initial
 policy and critic, and recomputes every step of the algorithm that
-``storyrl/training/rl/ppo.py`` documents (TRL v0.11's PPOTrainer order, with
+``storyrl/training/storyteller/rl/ppo/`` documents (TRL v0.11's PPOTrainer order, with
 its listed differences) with explicit Python loops over stories, sequences,
 tokens, PPO epochs, minibatches and micro-batches:
 

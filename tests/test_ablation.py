@@ -356,14 +356,14 @@ FAKE_STORIES = {
 
 
 class FakeRL:
-    """``train`` and ``generate_stories`` of storyrl.training.rl standing in
+    """``train`` and ``generate_stories`` of storyrl.training.storyteller.rl standing in
     for the real ones: they record their calls; train writes ``final/`` (and
     a checkpoint first; ``fail`` makes it die after the checkpoint, as a kill
     would); generation writes each variant's FAKE_STORIES."""
 
     def __init__(self, monkeypatch, fail: bool = False, fail_generation_after: int | None = None) -> None:
-        import storyrl.training.rl.policy as policy
-        import storyrl.training.rl.train as train
+        import storyrl.training.storyteller.rl.policy as policy
+        import storyrl.training.storyteller.rl.train as train
 
         self.trained: list[tuple[str, list, bool]] = []
         self.generated: list[tuple[str, list[str], int]] = []
@@ -547,12 +547,12 @@ def _e2e_config(assets, policy_dir, out: Path) -> dict:
 
 
 def test_training_mode_end_to_end_with_a_tiny_policy(assets, policy_dir, tmp_path, monkeypatch):
-    import storyrl.training.rl.train as rl_train
+    import storyrl.training.storyteller.rl.train as rl_train
     from storyrl.data import load_stories
     from storyrl.eval.ablation import AblationConfig, run_ablation
     from storyrl.rewards import create_reward
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import generate_stories
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import generate_stories
 
     out = tmp_path / "out"
     path = _write(tmp_path / "abl.yaml", _e2e_config(assets, policy_dir, out))

@@ -30,12 +30,12 @@ def readme_blocks() -> list[str]:
 
 @pytest.fixture
 def sft(monkeypatch):
-    """The README's module as storyrl.training.sft (train replaced by a
+    """The README's module as storyrl.training.storyteller.sft (train replaced by a
     stand-in that records its call) and a registry holding what the
     README's TRAINERS.add line registers."""
     module_code, registry_line = readme_blocks()
-    module = types.ModuleType("storyrl.training.sft")
-    monkeypatch.setitem(sys.modules, "storyrl.training.sft", module)  # before: dataclasses look the module up
+    module = types.ModuleType("storyrl.training.storyteller.sft")
+    monkeypatch.setitem(sys.modules, "storyrl.training.storyteller.sft", module)  # before: dataclasses look the module up
     exec(compile(module_code, "README.md", "exec"), module.__dict__)  # noqa: S102  (the README's own code)
     calls = []
 

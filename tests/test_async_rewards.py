@@ -112,7 +112,7 @@ def assets(tmp_path_factory):
 
 
 def rl_config(assets, out, rewards, algorithm="grpo", **extra):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     section = {"per_device_train_batch_size": 4, "max_completion_length": 8, "learning_rate": 1e-3,
                "logging_steps": 1, "save_strategy": "no", "num_generations": 2} if algorithm == "grpo" else \
@@ -188,7 +188,7 @@ def test_sync_rewards_run_one_after_the_other():
 
 
 def test_ppo_awaits_async_rewards_together():
-    from storyrl.training.rl.ppo.rewards import call_rewards
+    from storyrl.training.storyteller.rl.ppo.rewards import call_rewards
 
     funcs = [AsyncReward(create_reward("test_async_wait_a")), AsyncReward(create_reward("test_async_wait_b")),
              create_reward("test_async_words")]
@@ -202,7 +202,7 @@ def test_ppo_awaits_async_rewards_together():
 def test_ppo_passes_a_fatal_reward_error_on_after_one_call(kind):
     """Retrying a server that is down for good, completion by completion,
     only delays the stop: the error comes out as it is, after one call."""
-    from storyrl.training.rl.ppo.rewards import call_rewards
+    from storyrl.training.storyteller.rl.ppo.rewards import call_rewards
 
     class ServerGone(FatalRewardError):
         pass
@@ -226,7 +226,7 @@ def test_ppo_passes_a_fatal_reward_error_on_after_one_call(kind):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_a_fatal_reward_error_stops_the_run_without_final(assets, tmp_path, algorithm):
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import RunFailedError
 
     config = rl_config(assets, tmp_path / "out", ["test_async_fatal_later"], algorithm, max_steps=2)
@@ -238,7 +238,7 @@ def test_a_fatal_reward_error_stops_the_run_without_final(assets, tmp_path, algo
 
 def test_other_errors_of_a_reward_are_not_a_stopped_run(assets, tmp_path):
     """Only a FatalRewardError is a clean stop; a bug keeps its type and traceback."""
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import RunFailedError
 
     config = rl_config(assets, tmp_path / "out", ["test_async_value_error_later"], "grpo", max_steps=2)
@@ -250,7 +250,7 @@ def test_other_errors_of_a_reward_are_not_a_stopped_run(assets, tmp_path):
 
 def test_async_rewards_run_concurrently_under_trl(assets, tmp_path):
     """GRPO (TRL's own async path) with two rewards that wait for each other."""
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     config = rl_config(assets, tmp_path / "out", ["test_async_wait_a", "test_async_wait_b"], async_rewards=True)
     result = train(config, progress=False)
@@ -276,7 +276,7 @@ def test_async_rewards_is_a_checked_option(assets, tmp_path):
 
 def test_grpo_with_a_remote_reward_logs_what_the_local_reward_gives(assets, tmp_path):
     from storyrl.integrations.server import create_app, run_in_thread
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     with run_in_thread(create_app(create_reward("test_async_words"))) as url:
         rewards = ["test_async_words", {"reward": "remote", "url": url, "label": "remote_words", "chunk_size": 3,
@@ -298,8 +298,8 @@ def test_ppo_masks_only_the_completions_the_server_failed(tmp_path):
     from tiny_models import chat_tokenizer, tiny_llama
 
     from storyrl.integrations.server import run_in_thread
-    from storyrl.training.rl.ppo import PPOTrainer
-    from storyrl.training.rl.ppo.config import PPOConfig
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo.config import PPOConfig
 
     server = FakeServer(fails=lambda label: label.get("story_id") == "s1")
     prompt = "Tell me a story about these pictures."
@@ -340,7 +340,7 @@ def test_a_server_that_stays_down_stops_the_run_with_its_message(assets, tmp_pat
 def test_a_dead_server_fails_before_training(assets, tmp_path):
     import socket
 
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

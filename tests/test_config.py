@@ -182,9 +182,9 @@ def test_every_trainer_refuses_a_non_finite_option_at_config_time(tmp_path):
     import json
 
     from storyrl.training.config import TrainConfig
-    from storyrl.training.dpo import DPORunConfig
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.sft import SFTRunConfig
+    from storyrl.training.storyteller.dpo import DPORunConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.sft import SFTRunConfig
 
     data = tmp_path / "data.jsonl"
     data.write_text(json.dumps({"story_id": "s", "story": "a story .", "images": ["x.png"]}) + "\n")

@@ -293,7 +293,7 @@ def test_local_clip_is_loaded_without_the_ignored_pretrained_tag(tmp_path, caplo
 
 
 def test_quiet_progress_callback_shows_loss_and_reward_not_the_dict(monkeypatch, capsys):
-    from storyrl.training.rl.trl_trainers import QuietProgressCallback
+    from storyrl.training.storyteller.rl.trl_trainers import QuietProgressCallback
 
     stream = TtyStringIO()
     monkeypatch.setattr(sys, "stderr", stream)
@@ -314,7 +314,7 @@ def test_quiet_progress_callback_shows_loss_and_reward_not_the_dict(monkeypatch,
 
 @pytest.mark.parametrize("resumed_at", [0, 2])
 def test_quiet_progress_callback_ends_at_max_steps_also_after_a_resume(monkeypatch, resumed_at):
-    from storyrl.training.rl.trl_trainers import QuietProgressCallback
+    from storyrl.training.storyteller.rl.trl_trainers import QuietProgressCallback
 
     stream = TtyStringIO()
     monkeypatch.setattr(sys, "stderr", stream)

@@ -250,7 +250,7 @@ def raccoon_dir(tmp_path_factory):
 
 
 def _train_config(root, tiny_bert, out, **extra):
-    from storyrl.training.cosmic import CosmicTrainConfig
+    from storyrl.training.judges.cosmic import CosmicTrainConfig
 
     options = dict(output_dir=str(out), raccoon=str(root / "raccoon.tsv"), image_map=str(root / "map.tsv"),
                    image_library="timm", image_model="resnetv2_50", image_pretrained=None,
@@ -294,7 +294,7 @@ def test_encoders_frozen_and_embedded_once(trained):
 
 
 def test_augmentation_and_unreadable_images(raccoon_dir, tiny_bert, tmp_path):
-    from storyrl.training.cosmic import train_cosmic
+    from storyrl.training.judges.cosmic import train_cosmic
 
     bad = tmp_path / "bad.png"
     bad.write_bytes(b"not an image")
@@ -311,7 +311,7 @@ def test_augmentation_and_unreadable_images(raccoon_dir, tiny_bert, tmp_path):
 
 def test_reference_choice():
     from storyrl.judgements.raccoon import RaCCoonRecord
-    from storyrl.training.cosmic import build_examples
+    from storyrl.training.judges.cosmic import build_examples
 
     def rec(row, caption, coherence, rating, url="u"):
         return RaCCoonRecord(str(row), "2", caption, url, coherence, f"x{row}", rating, None, row)
@@ -475,7 +475,7 @@ def test_reward_pickle_trl_and_registry(trained, images):
 
 def test_shipped_configs_load():
     from storyrl.rewards import load_reward_config
-    from storyrl.training.cosmic import CosmicTrainConfig
+    from storyrl.training.judges.cosmic import CosmicTrainConfig
 
     config = CosmicTrainConfig.from_yaml(REPO / "configs/training/cosmic.yaml")
     assert (config.lr, config.batch_size, config.epochs) == (1e-3, 10, 100)

@@ -284,13 +284,13 @@ def test_a_tracker_that_is_not_installed_is_refused_at_config_time(monkeypatch, 
     data = tmp_path / "d.jsonl"
     data.write_text('{"story_id": "s", "story": "a b ."}\n')
     if config == "rl":
-        from storyrl.training.rl.config import RLConfig as cls
+        from storyrl.training.storyteller.rl.config import RLConfig as cls
         options = {"model": "m", "data": str(data), "output_dir": str(tmp_path / "o"), "rewards": ["bleu"]}
     elif config == "ppo":
-        from storyrl.training.rl.ppo.config import PPOConfig as cls
+        from storyrl.training.storyteller.rl.ppo.config import PPOConfig as cls
         options = {}
     else:
-        from storyrl.training.sft import SFTRunConfig as cls
+        from storyrl.training.storyteller.sft import SFTRunConfig as cls
         options = {"model": "m", "data": str(data), "output_dir": str(tmp_path / "o")}
     with pytest.raises(ConfigError, match=r"report_to: tensorboard is not installed \(pip install tensorboard\)"):
         cls.from_mapping({**options, "report_to": "tensorboard"})

@@ -50,7 +50,7 @@ def options(assets, out, model="chat", **extra):
 
 
 def config(assets, out, **extra):
-    from storyrl.training.dpo import DPORunConfig
+    from storyrl.training.storyteller.dpo import DPORunConfig
 
     return DPORunConfig.from_mapping(options(assets, out, **extra))
 
@@ -113,7 +113,7 @@ def test_loss_equals_a_plain_dpo_loss_against_the_starting_policy(assets, tmp_pa
     import torch
     from transformers import AutoModelForCausalLM
 
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     extra = {"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}
     trainer = build_trainer(config(assets, tmp_path, loss_type=loss_type, beta=beta, **extra), progress=False)
@@ -141,7 +141,7 @@ def test_loss_equals_a_plain_dpo_loss_against_the_starting_policy(assets, tmp_pa
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_at_the_start_the_policy_is_its_reference(assets, tmp_path, lora):
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     extra = {"lora": {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0}} if lora else {}
     trainer = build_trainer(config(assets, tmp_path, **extra), progress=False)
@@ -150,7 +150,7 @@ def test_at_the_start_the_policy_is_its_reference(assets, tmp_path, lora):
 
 @pytest.mark.parametrize("model, prompts", [("chat", "template"), ("plain", "template"), ("chat", "pairs")])
 def test_prompt_tokens_carry_no_loss_and_follow_the_prompt_source(assets, tmp_path, model, prompts):
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     trainer = build_trainer(config(assets, tmp_path, model=model, prompts=prompts), progress=False)
     tokenizer = trainer.processing_class
@@ -170,7 +170,7 @@ def test_prompt_tokens_carry_no_loss_and_follow_the_prompt_source(assets, tmp_pa
 def test_training_on_a_over_b_raises_the_margin_of_a(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from storyrl.training.dpo import train
+    from storyrl.training.storyteller.dpo import train
 
     result = train(config(assets, tmp_path / "out", max_steps=8, learning_rate=5e-3, beta=0.5), progress=False)
     tokenizer = AutoTokenizer.from_pretrained(result.final_dir)
@@ -204,7 +204,7 @@ class _WordCount:
 
 
 def test_monitoring_logs_each_reward_at_the_sample_steps(assets, tmp_path, monkeypatch):
-    from storyrl.training.dpo import DPORunConfig, train
+    from storyrl.training.storyteller.dpo import DPORunConfig, train
 
     stand_in = _WordCount()
     monkeypatch.setattr(DPORunConfig, "build_rewards", lambda self: [stand_in.reward])
@@ -233,7 +233,7 @@ def test_samples_off_the_logging_steps_log_at_their_own_step(assets, tmp_path, m
     """sample_steps 2, logging_steps 3: the samples of steps 2 and 4 get
     entries of their own (the monitor asks for a log), step 6 shares the
     regular one."""
-    from storyrl.training.dpo import DPORunConfig, train
+    from storyrl.training.storyteller.dpo import DPORunConfig, train
 
     stand_in = _WordCount()
     monkeypatch.setattr(DPORunConfig, "build_rewards", lambda self: [stand_in.reward])
@@ -250,8 +250,8 @@ def test_resume_equals_an_uninterrupted_run(assets, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
 
-    from storyrl.training import dpo
-    from storyrl.training.dpo import build_trainer, train
+    from storyrl.training.storyteller import dpo
+    from storyrl.training.storyteller.dpo import build_trainer, train
 
     common = {"max_steps": 4, "save_steps": 2, "batch_size": 1, "sample_steps": 1, "sample_max_new_tokens": 4}
     whole = train(config(assets, tmp_path / "whole", **common), progress=False)
@@ -294,8 +294,8 @@ def test_cli_final_is_an_rl_policy_and_the_directory_is_guarded(assets, tmp_path
     from click.testing import CliRunner
 
     from storyrl.cli import main
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import load_policy
     from storyrl.training.runs import lock_directory
 
     path = tmp_path / "dpo.yaml"
@@ -353,7 +353,7 @@ def test_config_errors_are_one_line(assets, tmp_path, extra, message):
     ([""], "no preference pairs"),
 ])
 def test_malformed_pairs_name_file_line_and_fault(assets, tmp_path, lines, message):
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -363,7 +363,7 @@ def test_malformed_pairs_name_file_line_and_fault(assets, tmp_path, lines, messa
 
 
 def test_file_prompts_need_a_prompt_and_template_prompts_do_not(assets, tmp_path):
-    from storyrl.training.dpo import dpo_dataset
+    from storyrl.training.storyteller.dpo import dpo_dataset
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"chosen": STORY_A, "rejected": STORY_B, "images": ["a.png", "b.png"]}) + "\n",
@@ -380,9 +380,9 @@ def test_file_prompts_need_a_prompt_and_template_prompts_do_not(assets, tmp_path
 def test_vlm_policy_sees_the_sequence_image_and_trains(assets, tmp_path):
     from tiny_models import save_tiny_chat_vlm
 
-    from storyrl.training.dpo import build_trainer, train
-    from storyrl.training.rl.data import _Prompter
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.dpo import build_trainer, train
+    from storyrl.training.storyteller.rl.data import _Prompter
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     vlm = save_tiny_chat_vlm(tmp_path / "vlm", TEXTS)
     extra = {"model": vlm, "sequence_image_size": "64x32", "sample_steps": 1, "sample_max_new_tokens": 4}
@@ -434,8 +434,8 @@ def test_monitoring_samples_distinct_records_seeded_and_leaves_the_rng(assets, t
     every call), and training's random state is left as it was."""
     import torch
 
-    from storyrl.training.dpo import SampleMonitor
-    from storyrl.training.rl.policy import Policy, _generate, load_policy
+    from storyrl.training.storyteller.dpo import SampleMonitor
+    from storyrl.training.storyteller.rl.policy import Policy, _generate, load_policy
 
     run = config(assets, tmp_path / "out", data=three_sequences(assets, tmp_path), sample_steps=1, sample_prompts=3,
                  sample_max_new_tokens=8, seed=3)
@@ -457,7 +457,7 @@ def test_monitoring_samples_distinct_records_seeded_and_leaves_the_rng(assets, t
 
 
 def test_monitoring_samples_in_a_run_are_three_distinct_stories_with_their_ids(assets, tmp_path):
-    from storyrl.training.dpo import train
+    from storyrl.training.storyteller.dpo import train
 
     result = train(config(assets, tmp_path / "out", data=three_sequences(assets, tmp_path), max_steps=2,
                           sample_steps=1, sample_prompts=3, sample_max_new_tokens=8, seed=3), progress=False)
@@ -474,7 +474,7 @@ def test_the_monitors_mean_is_over_the_stories_a_reward_scored(assets, tmp_path)
     from transformers import AutoTokenizer
 
     from storyrl.rewards.base import Reward
-    from storyrl.training.dpo import SampleMonitor
+    from storyrl.training.storyteller.dpo import SampleMonitor
 
     class Picky(Reward):
         name = "picky"
@@ -496,8 +496,8 @@ def test_without_lora_the_reference_is_a_frozen_copy_loaded_as_the_policy(assets
     no 4-bit); storyrl hands it a second load_policy of the config, frozen."""
     import torch
 
-    from storyrl.training import dpo
-    from storyrl.training.rl import policy as policy_module
+    from storyrl.training.storyteller import dpo
+    from storyrl.training.storyteller.rl import policy as policy_module
 
     loaded = []
     original = policy_module.load_policy
@@ -521,7 +521,7 @@ def test_without_lora_the_reference_is_a_frozen_copy_loaded_as_the_policy(assets
 def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(assets, tmp_path, caplog):
     import logging
 
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     rows = [{"prompt": FILE_PROMPT, "chosen": s, "rejected": s, "images": assets["images"], "story_id": f"s{k}"}
             for k, s in enumerate([STORY_A, STORY_B])]
@@ -548,7 +548,7 @@ def test_a_vlms_pairs_whose_story_holds_the_image_token_are_left_out(assets, tmp
 
     from tiny_models import save_tiny_chat_vlm
 
-    from storyrl.training.dpo import build_trainer
+    from storyrl.training.storyteller.dpo import build_trainer
 
     vlm = save_tiny_chat_vlm(tmp_path / "vlm", TEXTS)
     good = {"chosen": STORY_A, "rejected": STORY_B, "images": assets["images"], "story_id": "s0"}

@@ -79,8 +79,8 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     import train_rl
     from evaluate import evaluate
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import build_dataset, load_data, prompt_rows
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.data import build_dataset, load_data, prompt_rows
 
     data, _ = tiny_data
     train = _read(data / "train.jsonl")
@@ -95,7 +95,7 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(policy)
     config = RLConfig(algorithm="grpo", model=str(policy), policy="causal_lm", data=str(data / "train.jsonl"),
                       rewards=["repetition"], output_dir=str(tmp_path / "run"))
-    import storyrl.training.rl.data as rl_data
+    import storyrl.training.storyteller.rl.data as rl_data
 
     uninstall = train_rl.install_hook()
     try:
@@ -330,8 +330,8 @@ def test_dpo_training_figures(tmp_path):
 def test_example_configs_load(tmp_path):
     from transformers import LlamaConfig
 
-    from storyrl.training.dpo import DPORunConfig
-    from storyrl.training.reward_model import RewardModelRunConfig
+    from storyrl.training.storyteller.dpo import DPORunConfig
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig
 
     model = tmp_path / "policy"
     LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=1).save_pretrained(model)

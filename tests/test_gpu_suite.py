@@ -200,7 +200,7 @@ def test_rl_time_split_and_estimates(report):
         assert float(r["generation / generate"]) > 0 and r["target <= 1.25"] in ("PASS", "FAIL")
     assert "- generation / generate: the RL step's generation phase" in sections(report)["rl"]
     # the RLConfig patch is undone after the runs
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     assert "rl_options" not in RLConfig.from_mapping.__func__.__qualname__
 
@@ -939,7 +939,7 @@ def test_quick_mode_line_sums_the_chosen_parts():
 
 
 def test_recorded_policy_dtypes_restores_load_policy():
-    import storyrl.training.rl.policy as policy_module
+    import storyrl.training.storyteller.rl.policy as policy_module
 
     original = policy_module.load_policy
     found: list = []

@@ -31,7 +31,7 @@ def _checkpoint(root: Path, name: str, complete: bool = True) -> Path:
 
 
 def test_find_latest_checkpoint_is_the_numerically_highest_complete_one(tmp_path):
-    from storyrl.training.rl.ppo.checkpoints import find_latest_checkpoint
+    from storyrl.training.storyteller.rl.ppo.checkpoints import find_latest_checkpoint
 
     assert find_latest_checkpoint(tmp_path) is None
     for step in (2, 10, 9):
@@ -66,7 +66,7 @@ class FakeAccelerator:
 
 
 def test_save_checkpoint_writes_aside_then_keeps_the_newest(tmp_path):
-    from storyrl.training.rl.ppo.checkpoints import TRAINER_STATE, find_latest_checkpoint, save_checkpoint
+    from storyrl.training.storyteller.rl.ppo.checkpoints import TRAINER_STATE, find_latest_checkpoint, save_checkpoint
 
     acc = FakeAccelerator()
     for step in (2, 9, 10, 11):
@@ -91,7 +91,7 @@ def test_save_checkpoint_writes_aside_then_keeps_the_newest(tmp_path):
 
 
 def test_save_checkpoint_on_another_process_neither_renames_nor_deletes(tmp_path):
-    from storyrl.training.rl.ppo.checkpoints import save_checkpoint
+    from storyrl.training.storyteller.rl.ppo.checkpoints import save_checkpoint
 
     for step in (1, 2, 3):
         _checkpoint(tmp_path, f"checkpoint-{step}")
@@ -110,7 +110,7 @@ def _sampler_trainer(seed: int, n: int = 12, batch_size: int = 4, mini_repeat: i
     RepeatSampler, ``state.epoch`` is what transformers keeps."""
     from trl.trainer.utils import RepeatSampler
 
-    from storyrl.training.rl.trl_trainers import _resumable
+    from storyrl.training.storyteller.rl.trl_trainers import _resumable
 
     class Trainer:
         def __init__(self) -> None:
@@ -172,7 +172,7 @@ def test_a_resumed_run_reads_the_uninterrupted_runs_order():
 
 
 def test_distinct_n_by_hand():
-    from storyrl.training.rl.monitor import distinct_n
+    from storyrl.training.storyteller.rl.monitor import distinct_n
 
     stories = [["a", "b", "a", "b"], ["c", "a", "b"]]
     # unigrams a b a b c a b: 7, distinct {a, b, c}
@@ -192,7 +192,7 @@ def test_distinct_n_by_hand():
 
 
 def test_story_stats_by_hand():
-    from storyrl.training.rl.monitor import story_stats
+    from storyrl.training.storyteller.rl.monitor import story_stats
 
     texts = ["The dog ran. The dog ran.", "", None, "One", "   "]
     stats = story_stats(texts, token_lengths=[5, 0, 2, 1, 2])
@@ -215,7 +215,7 @@ def test_story_stats_by_hand():
 
 
 def test_sample_stories_by_hand():
-    from storyrl.training.rl.monitor import sample_stories
+    from storyrl.training.storyteller.rl.monitor import sample_stories
 
     got = sample_stories(["a", None, "c", "d"], [0.5, math.nan, None, 2.0], k=3)
     assert got == [{"story": "a", "reward": 0.5}, {"story": "", "reward": None}, {"story": "c", "reward": None}]
@@ -224,7 +224,7 @@ def test_sample_stories_by_hand():
 
 
 def test_story_monitor_logs_stats_and_writes_weighted_samples(tmp_path):
-    from storyrl.training.rl.trl_trainers import StoryMonitor
+    from storyrl.training.storyteller.rl.trl_trainers import StoryMonitor
 
     def first(prompts=None, completions=None, **kw):
         return [1.0, None, 3.0]
@@ -319,7 +319,7 @@ def test_adaptation_loss_trains_the_visual_side_only():
 
 
 def test_adaptation_step_sends_the_gradient_through_the_visual_encoding():
-    """storyrl.training.tapm's adaptation step on a tiny TAPM: the loss is the
+    """storyrl.training.storyteller.tapm's adaptation step on a tiny TAPM: the loss is the
     hinge between the decoder's start-token state and the visual encoding,
     and its gradient reaches the visual encoder through the pooled encoding
     (the story-global linear feeds nothing else), never the decoder."""
@@ -327,7 +327,7 @@ def test_adaptation_step_sends_the_gradient_through_the_visual_encoding():
 
     from storyrl.generators.tapm.losses import adaptation_loss
     from storyrl.generators.tapm.model import TapmModel
-    from storyrl.training.tapm import _Step
+    from storyrl.training.storyteller.tapm import _Step
 
     tokenizer = tiny_models.chat_tokenizer(tiny_models.TAPM_TEXTS)
     model = TapmModel.from_decoder(tiny_models.tiny_gpt2(tokenizer), tokenizer, {"image": 6}, {"image": 2},
@@ -365,7 +365,7 @@ def test_adaptation_step_sends_the_gradient_through_the_visual_encoding():
 
 
 def test_ppo_rollouts_sample_with_the_configured_top_k_top_p_and_temperature():
-    from storyrl.training.rl.ppo.rollout import _generation_config
+    from storyrl.training.storyteller.rl.ppo.rollout import _generation_config
 
     args = SimpleNamespace(response_length=12, temperature=0.7, top_p=0.9, top_k=7)
     config = _generation_config(args, stop_token_id=2, pad_token_id=0)

@@ -54,7 +54,7 @@ def _raises(fn, *needles):
 
 
 def test_policy_loaders_name_the_model_and_the_model_key(probe):
-    from storyrl.training.rl.policy import detect_policy, load_policy
+    from storyrl.training.storyteller.rl.policy import detect_policy, load_policy
 
     config = SimpleNamespace(model=MISSING, revision=None, precision="fp32", load_in_4bit=False)
     for kind in ("causal_lm", "vlm"):
@@ -64,14 +64,14 @@ def test_policy_loaders_name_the_model_and_the_model_key(probe):
 
 
 def test_value_model_names_the_yaml_key(probe):
-    from storyrl.training.rl.ppo.value import load_value_model
+    from storyrl.training.storyteller.rl.ppo.value import load_value_model
 
     _raises(lambda: load_value_model(MISSING), f"value model {MISSING!r}", "ppo.value_model")
 
 
 def test_tapm_decoder_and_tokenizer(probe, tmp_path):
     from storyrl.generators.tapm.model import load_decoder
-    from storyrl.training.tapm import _build
+    from storyrl.training.storyteller.tapm import _build
 
     _raises(lambda: load_decoder(MISSING), f"TAPM decoder {MISSING!r}")
     config = SimpleNamespace(tokenizer=None, init_from=None, decoder=MISSING)
@@ -143,7 +143,7 @@ def test_cosmic_encoders(probe, tmp_path, monkeypatch):
 
 def test_cosmic_trainer_checks_before_loading_data(probe):
     from storyrl.models.cosmic import EncoderSpec
-    from storyrl.training.cosmic import train_cosmic
+    from storyrl.training.judges.cosmic import train_cosmic
 
     spec = EncoderSpec(image_model="resnet18", image_pretrained=None, text_model=MISSING)
     config = SimpleNamespace(encoder_spec=lambda: spec)  # no data options: loading them would fail
@@ -171,7 +171,7 @@ def test_local_directories_are_never_probed(probe, tmp_path):
 def test_many_loaders_one_probe(probe):
     from storyrl.generators.tapm.model import load_decoder
     from storyrl.models.vrank import load_vrank_model
-    from storyrl.training.rl.ppo.value import load_value_model
+    from storyrl.training.storyteller.rl.ppo.value import load_value_model
 
     for load in (load_decoder, load_value_model, load_vrank_model):
         with pytest.raises(hub.HubUnreachableError):
@@ -180,7 +180,7 @@ def test_many_loaders_one_probe(probe):
 
 
 def test_rovist_vg_trainer_checks_the_vit_before_loading_data(probe):
-    from storyrl.training.rovist_vg import train_rovist_vg
+    from storyrl.training.judges.rovist_vg import train_rovist_vg
 
     config = SimpleNamespace(vit="resnet18", pretrained_vit=True, timm_kwargs={})  # no data options
     _raises(lambda: train_rovist_vg.__wrapped__(config, False, False), "timm model 'resnet18'", "'timm/resnet18",

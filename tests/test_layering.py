@@ -147,6 +147,70 @@ def test_allow_list_entries_are_still_needed():
     assert not set(ALLOWED_UPWARD) - seen
 
 
+# -- the training folder's two audiences ----------------------------------------------
+
+#: storyrl/training's folders, one per audience; neither imports the other.
+AUDIENCES = ("storyrl.training.judges", "storyrl.training.storyteller")
+#: storyrl/training's own modules, shared by both audiences: they import neither
+#: (the TRAINERS registry in __init__ names the trainers by strings, not imports).
+SHARED_TRAINING = {f"storyrl.training.{name}" for name in
+                   ("accelerators", "checkpoints", "config", "guards", "loop", "model_card", "runs")} | {
+                       "storyrl.training"}
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def audience_imports(source: str, module: str, is_package: bool = False, submodules=frozenset()) -> list[str]:
+    """The imports in ``source`` (module ``module``) that cross storyrl/training's
+    audiences: judges <-> storyteller, or a shared module -> either."""
+    own = next((a for a in AUDIENCES if _within(module, a)), None)
+    if own is None and module not in SHARED_TRAINING:
+        return []
+    forbidden = [a for a in AUDIENCES if a != own]
+    return [f"{module}:{line}: {statement} ({own or 'shared training'} -> {a})"
+            for line, target, statement in storyrl_imports(source, module, is_package, submodules)
+            for a in forbidden if _within(target, a)]
+
+
+def test_the_training_audiences_stay_apart():
+    submodules = _submodules()
+    training = [p for p in _sources() if module_name(p).startswith("storyrl.training")]
+    # Every module of storyrl/training is in one audience or named shared, so a new one is placed on purpose.
+    unplaced = sorted(m for m in map(module_name, training)
+                      if m not in SHARED_TRAINING and not any(_within(m, a) for a in AUDIENCES))
+    assert not unplaced, f"storyrl/training modules in neither judges/, storyteller/ nor SHARED_TRAINING: {unplaced}"
+    problems = []
+    for path in training:
+        problems += audience_imports(path.read_text(encoding="utf-8"), module_name(path), path.name == "__init__.py",
+                                     submodules)
+    assert not problems, "imports across storyrl/training's audiences:\n" + "\n".join(problems)
+
+
+def test_the_audience_checker_finds_crossings_in_every_form():
+    subs = {"storyrl.training.storyteller", "storyrl.training.judges", "storyrl.training.judges.vrank"}
+    source = textwrap.dedent("""
+        from storyrl.training.storyteller.config import StorytellerConfig
+        def late():
+            import storyrl.training.storyteller.rl.train
+        from storyrl.training import storyteller
+        from ..storyteller import sft
+        from storyrl.training import Trainer, loop
+        from storyrl.training.judges.rovist_vg_data import read
+    """)
+    found = audience_imports(source, "storyrl.training.judges.coherence", submodules=subs)
+    assert [p.split(": ", 1)[0] for p in found] == [f"storyrl.training.judges.coherence:{n}" for n in (2, 4, 5, 6)]
+    assert found[0].endswith("(storyrl.training.judges -> storyrl.training.storyteller)")
+    # The other way, and a shared module importing either; a module outside storyrl/training is not checked.
+    assert audience_imports("from storyrl.training.judges import vrank", "storyrl.training.storyteller.dpo",
+                            submodules=subs)
+    assert len(audience_imports("import storyrl.training.judges.vrank\nimport storyrl.training.storyteller",
+                                "storyrl.training.loop")) == 2
+    assert audience_imports("from storyrl.training.storyteller import X", "storyrl.training", is_package=True)
+    assert audience_imports("from storyrl.training.storyteller import X", "storyrl.cli.pairs") == []
+
+
 # -- the checker itself --------------------------------------------------------------
 
 SYNTHETIC = textwrap.dedent("""

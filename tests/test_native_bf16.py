@@ -33,9 +33,9 @@ def test_an_emulating_card_has_no_bf16(monkeypatch, rl_keys):
     import torch
 
     from storyrl.models.runtime import PrecisionError, cuda_native_bf16, resolve_precision
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import training_dtype
-    from storyrl.training.rl.ppo.config import PPOConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import training_dtype
+    from storyrl.training.storyteller.rl.ppo.config import PPOConfig
 
     _card(monkeypatch, native=False)
     assert torch.cuda.is_bf16_supported()  # what the old checks asked
@@ -55,9 +55,9 @@ def test_a_native_card_has_bf16(monkeypatch, rl_keys):
     import torch
 
     from storyrl.models.runtime import cuda_native_bf16, resolve_precision
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import training_dtype
-    from storyrl.training.rl.ppo.config import PPOConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import training_dtype
+    from storyrl.training.storyteller.rl.ppo.config import PPOConfig
 
     _card(monkeypatch, native=True)
     assert cuda_native_bf16()

@@ -116,7 +116,7 @@ def test_load_yaml_reads_yaml12_floats_and_names_bad_files(tmp_path):
 
 
 def test_training_configs_are_strict_in_python_too():
-    from storyrl.training.coherence import CoherenceTrainConfig
+    from storyrl.training.judges.coherence import CoherenceTrainConfig
 
     with pytest.raises(TypeError, match="key 'epochs': expected an integer, got str '3'"):
         CoherenceTrainConfig(output_dir="o", stories=["a"], epochs="3")

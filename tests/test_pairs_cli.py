@@ -289,8 +289,8 @@ def rl_prompts(assets, model="chat"):
     from transformers import AutoTokenizer
 
     from storyrl.datasets import load_records
-    from storyrl.training.rl.data import prompt_rows
-    from storyrl.training.storyteller import StorytellerConfig
+    from storyrl.training.storyteller.rl.data import prompt_rows
+    from storyrl.training.storyteller.config import StorytellerConfig
 
     config = StorytellerConfig.from_mapping({"model": assets[model], "data": assets["data"], "prompt": "P3"})
     return prompt_rows(config, load_records(assets["data"]), "causal_lm", AutoTokenizer.from_pretrained(assets[model]))
@@ -411,8 +411,8 @@ def test_policy_pairs_ties_nan_and_equal_best():
 
 def test_seed_temperature_top_p_and_k_change_the_samples(policy_assets, tmp_path):
     from storyrl.datasets import load_records
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import generate_stories
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import generate_stories
 
     def samples(name, *extra):
         out = tmp_path / f"{name}.jsonl"
@@ -606,7 +606,7 @@ def test_k_defaults_to_4(policy_assets, tmp_path, generate_calls):
 
 def test_duplicate_story_ids_from_the_data_are_one_line_errors(policy_assets, tmp_path, monkeypatch):
     """The CLI's own check (the loaders' check may not cover every format)."""
-    from storyrl.training.rl import data as rl_data
+    from storyrl.training.storyteller.rl import data as rl_data
 
     load = rl_data.load_data
 

@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("trl_offline")
 
 
 def _sft(assets, name, start, lora):
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     config = SFTRunConfig.from_mapping({
         "model": start, "data": assets["data"], "output_dir": str(assets["root"] / name), "prompt": "P1",
@@ -44,7 +44,7 @@ def _sft(assets, name, start, lora):
 
 
 def _dpo(assets, name, start, lora):
-    from storyrl.training.dpo import DPORunConfig, train
+    from storyrl.training.storyteller.dpo import DPORunConfig, train
 
     config = DPORunConfig.from_mapping({
         "model": start, "data": assets["data"], "pairs": assets["pairs"], "output_dir": str(assets["root"] / name),
@@ -53,8 +53,8 @@ def _dpo(assets, name, start, lora):
 
 
 def _rl(assets, name, start, algorithm, lora):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     if algorithm == "ppo":
         section = {"per_device_train_batch_size": 2, "num_ppo_epochs": 1, "response_length": 6,
@@ -153,8 +153,8 @@ def kl(p_logp, q_logp) -> float:
 
 
 def storyrl_policy(path: str, data: str):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     config = RLConfig.from_mapping({"model": path, "data": data, "output_dir": "unused", "rewards": ["rouge_l"],
                                     "prompt": "P1"})
@@ -231,7 +231,7 @@ def test_rl_on_rl_adapters_keeps_the_whole_chain(assets):
 
 @pytest.fixture(scope="module")
 def vlm_sft(assets):
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     root = assets["root"]
     vlm = save_tiny_chat_vlm(root / "vlm", TEXTS)
@@ -300,7 +300,7 @@ def test_sft_adapters_to_reward_model_and_its_reward(assets, merge):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from storyrl.rewards import create_reward
-    from storyrl.training.reward_model import RewardModelRunConfig, train
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, train
 
     start = assets["sft_adapters"]
     out = assets["root"] / f"rm_{merge}"
@@ -378,7 +378,7 @@ def test_a_corrupted_file_anywhere_in_the_chain_is_named(assets, tmp_path, where
 def test_adapters_as_a_ppo_value_model(assets):
     """ppo.value_model may be a final/ of adapters: a plain trainable
     sequence classifier whose body is the saved policy's."""
-    from storyrl.training.rl.ppo.value import load_value_model
+    from storyrl.training.storyteller.rl.ppo.value import load_value_model
 
     value = load_value_model(assets["dpo_adapters"])
     assert type(value).__name__ == "LlamaForSequenceClassification"
@@ -449,13 +449,13 @@ def test_the_adapters_own_tokenizer_wins_and_the_base_revision_is_the_recorded_o
 
 
 def test_new_adapters_record_the_policys_revision(assets):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import lora_config
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import lora_config
 
     config = RLConfig.from_mapping({"model": assets["base"], "revision": "abc123", "data": assets["data"],
                                     "output_dir": "unused", "rewards": ["rouge_l"], "prompt": "P1", "lora": LORA})
     assert lora_config(config, "causal_lm").revision == "abc123"
-    from storyrl.training.reward_model import RewardModelRunConfig, _lora
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, _lora
 
     reward_model = RewardModelRunConfig.from_mapping({"model": assets["base"], "revision": "abc123",
                                                       "pairs": assets["pairs"], "output_dir": "unused",

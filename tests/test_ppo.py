@@ -1,4 +1,4 @@
-"""storyrl's PPO trainer (storyrl.training.rl.ppo) on CPU with tiny
+"""storyrl's PPO trainer (storyrl.training.storyteller.rl.ppo) on CPU with tiny
 random-weight policies built here: a LLaMA text policy, a LLaVA-NeXT
 vision-language policy and a TAPM storyteller, each for two PPO steps.
 
@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from storyrl.training.rl.ppo.config import PPOConfig  # noqa: E402
+from storyrl.training.storyteller.rl.ppo.config import PPOConfig  # noqa: E402
 
 CORPUS = ["The cat sat on the mat. The dog ran to the park.", "A dog ran to the park. It played with a red ball.",
           "Tell me a story about these pictures.", "We went to the beach. The sea was blue."]
@@ -129,7 +129,7 @@ def check_history(result, reward_names, extra_metrics=()):
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_text_policy_two_steps(tmp_path, lora):
     from storyrl.rewards import create_reward
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     model = likes_full_stops(tiny_models.tiny_llama(tokenizer), tokenizer)
@@ -200,7 +200,7 @@ def recording_tracker():
 def test_trackers_and_save_model(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     tracker = recording_tracker()
@@ -252,7 +252,7 @@ def test_vlm_policy_two_steps(tmp_path, vlm, lora):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from storyrl.rewards import create_reward
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     processor = AutoProcessor.from_pretrained(vlm["dir"])
     processor.chat_template = tiny_models.LLAVA_CHAT_TEMPLATE  # the tiny LLaVA-NeXT processor has none
@@ -285,7 +285,7 @@ def sampling_logprobs_agree(trainer, rows, padded=True):
     positions, the response window, kept logits) equal those generate()
     sampled from (its processed scores: tempered, suppressed tokens
     removed), at every real response token."""
-    from storyrl.training.rl.ppo.rollout import response_logits
+    from storyrl.training.storyteller.rl.ppo.rollout import response_logits
 
     policy = trainer.policy
     generate, captured = policy.generate, {}
@@ -316,7 +316,7 @@ def sampling_logprobs_agree(trainer, rows, padded=True):
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])  # rotary and absolute positions
 def test_forward_logprobs_equal_the_sampling_distribution_text(tmp_path, kind):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     args = ppo_args(tmp_path, temperature=0.7, response_length=6)
@@ -329,7 +329,7 @@ def test_forward_logprobs_equal_the_sampling_distribution_text(tmp_path, kind):
 def test_forward_logprobs_equal_the_sampling_distribution_vlm(tmp_path, vlm):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     processor = AutoProcessor.from_pretrained(vlm["dir"])
     processor.chat_template = tiny_models.LLAVA_CHAT_TEMPLATE
@@ -342,7 +342,7 @@ def test_forward_logprobs_equal_the_sampling_distribution_vlm(tmp_path, vlm):
 
 
 def test_select_multimodal_cuts_images_per_sequence():
-    from storyrl.training.rl.ppo.rollout import select_multimodal
+    from storyrl.training.storyteller.rl.ppo.rollout import select_multimodal
 
     pixel = torch.arange(5).float().view(5, 1, 1)  # 5 images: sequences own 2, 1, 2 of them
     sizes = torch.arange(10).view(5, 2)
@@ -355,7 +355,7 @@ def test_select_multimodal_cuts_images_per_sequence():
 
 
 def test_truncate_responses_after_the_stop_token():
-    from storyrl.training.rl.ppo.rollout import truncate_responses
+    from storyrl.training.storyteller.rl.ppo.rollout import truncate_responses
 
     response = torch.tensor([[5, 7, 2, 9, 2], [5, 6, 7, 8, 9], [2, 4, 4, 4, 4]])
     cut, lengths, ended = truncate_responses(response, stop_token_id=2, pad_token_id=0)
@@ -381,7 +381,7 @@ class FailsOnOne:
 
 
 def test_a_reward_that_raises_for_one_completion_masks_it(tmp_path):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), [FailsOnOne()], ppo_args(tmp_path),
@@ -397,7 +397,7 @@ def test_a_reward_that_raises_for_one_completion_masks_it(tmp_path):
 def test_mixed_precision_fp16_without_cuda_is_fp16_autocast_with_a_grad_scaler(tmp_path):
     """fp16 is taken as asked on the CPU too (storyrl.training.accelerators),
     never coerced to fp32; how close it is to fp32: test_rl_precision.py."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     trainer = PPOTrainer(tiny_models.tiny_llama(tokenizer), WordCount(), ppo_args(tmp_path, mixed_precision="fp16"),
@@ -408,7 +408,7 @@ def test_mixed_precision_fp16_without_cuda_is_fp16_autocast_with_a_grad_scaler(t
 
 
 def test_a_reward_that_fails_for_every_completion_is_an_error(tmp_path):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     def broken(prompts, completions, **kwargs):
         raise KeyError("no model")
@@ -421,8 +421,8 @@ def test_a_reward_that_fails_for_every_completion_is_an_error(tmp_path):
 
 
 def test_missing_eos_penalty_then_score_clip(tmp_path, monkeypatch):
-    from storyrl.training.rl.ppo import math as ppo_math
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import math as ppo_math
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     seen, rollouts = [], []
     token_rewards = ppo_math.token_rewards
@@ -447,7 +447,7 @@ def test_missing_eos_penalty_then_score_clip(tmp_path, monkeypatch):
 def test_separate_value_model(tmp_path):
     from transformers import LlamaForSequenceClassification
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     policy = tiny_models.tiny_llama(tokenizer)
@@ -466,7 +466,7 @@ def test_separate_value_model(tmp_path):
 
 
 def test_adaptive_kl_follows_the_controller_and_early_stopping_stops(tmp_path):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     args = ppo_args(tmp_path, adaptive_kl=True, kl_coef=0.2, target=0.01, horizon=20, early_stopping=True,
@@ -507,7 +507,7 @@ class CrashesAtCall:
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
 
@@ -572,8 +572,8 @@ def tapm_model(tapm, lora=False):
 def test_tapm_policy_two_steps_credits_every_sentence_with_the_story_score(tmp_path, tapm, monkeypatch, lora):
     from datasets import Dataset
 
-    from storyrl.training.rl.ppo import math as ppo_math
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import math as ppo_math
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     seen = []
     token_rewards = ppo_math.token_rewards
@@ -624,7 +624,7 @@ def test_tapm_policy_two_steps_credits_every_sentence_with_the_story_score(tmp_p
 
 
 def test_forward_logprobs_equal_the_sampling_distribution_tapm(tmp_path, tapm):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     model, tokenizer = tapm_model(tapm)
     rows = [{"prompt": "", "image_ids": ["img0", "img1", "img2"]}, {"prompt": "", "image_ids": ["img3", "img4"]}]

@@ -56,7 +56,7 @@ class ScoresEvery:
 
 
 def _trainer(tmp_path, rewards, weights=None):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     model = tiny_models.tiny_llama(tokenizer)

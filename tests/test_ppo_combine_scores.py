@@ -1,4 +1,4 @@
-"""PPO's one score per story (storyrl.training.rl.ppo.rewards.combine_scores):
+"""PPO's one score per story (storyrl.training.storyteller.rl.ppo.rewards.combine_scores):
 a story one weighted reward could not score (None, NaN in the values) is
 masked (valid False, score 0), never scored as if the missing term were 0;
 a term at weight 0 never masks. Checked against hand computations, and
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from storyrl.training.rl.ppo.rewards import call_rewards, combine_scores
+from storyrl.training.storyteller.rl.ppo.rewards import call_rewards, combine_scores
 
 NAN = math.nan
 

@@ -1,4 +1,4 @@
-"""Guards for storyrl's PPO trainer (storyrl.training.rl.ppo) found by a
+"""Guards for storyrl's PPO trainer (storyrl.training.storyteller.rl.ppo) found by a
 break review: masked samples in samples.jsonl, the summary's last reward,
 resuming with changed settings and telling a peft-wrapped TAPM policy.
 Tiny random-weight policies from test_ppo.py / tiny_models.py, on CPU."""
@@ -29,7 +29,7 @@ def offline(monkeypatch):
 
 
 def text_trainer(tmp_path, reward, **options):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     return PPOTrainer(tiny_models.tiny_llama(tokenizer), reward, ppo_args(tmp_path, **options), text_dataset(),
@@ -92,7 +92,7 @@ def test_a_peft_wrapped_tapm_model_is_a_tapm_policy(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from storyrl.generators.tapm.model import TapmModel
-    from storyrl.training.rl.ppo.rollout import is_tapm_policy
+    from storyrl.training.storyteller.rl.ppo.rollout import is_tapm_policy
 
     directory = tiny_models.save_tiny_decoder(tmp_path / "gpt2")
     tokenizer = AutoTokenizer.from_pretrained(directory)

@@ -1,4 +1,4 @@
-"""PPO arithmetic (storyrl.training.rl.ppo.math) against hand computations.
+"""PPO arithmetic (storyrl.training.storyteller.rl.ppo.math) against hand computations.
 
 Every reference below is written out by hand or with plain Python loops over
 lists, never by calling the function under test; the examples include
@@ -15,7 +15,7 @@ import storyrl  # noqa: F401
 
 torch = pytest.importorskip("torch")
 
-from storyrl.training.rl.ppo import math as pm  # noqa: E402
+from storyrl.training.storyteller.rl.ppo import math as pm  # noqa: E402
 
 T = torch.tensor
 

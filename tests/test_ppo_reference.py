@@ -1,4 +1,4 @@
-"""storyrl's PPO trainer (storyrl/training/rl/ppo.py) number by number
+"""storyrl's PPO trainer (storyrl/training/storyteller/rl/ppo/) number by number
 against an independent reference (tests/ppo_reference.py), and on toy tasks
 with a known optimum.
 
@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 pytest.importorskip("peft")
 
-from storyrl.training.rl.ppo.config import PPOConfig  # noqa: E402
+from storyrl.training.storyteller.rl.ppo.config import PPOConfig  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
 
@@ -117,7 +117,7 @@ def test_text_policy_every_loss_option(tmp_path):
     kl_coef, missing_eos_penalty, linear lr over two steps, weight decay,
     gradient clipping, 2 minibatches × 2 micro-batches × 2 PPO epochs,
     temperature; a masked story and a zero-weight reward with NaN/None."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     dog, stop = tokenizer.convert_tokens_to_ids("dog"), tokenizer.convert_tokens_to_ids(".")
@@ -146,7 +146,7 @@ def test_score_processing_adaptive_kl_k3_constant_lr_and_data_order(tmp_path):
     advantage whitening, no gradient clipping, 8 prompts a step in 2
     minibatches × 2 micro-batches of 2 stories × 2 PPO epochs, 3 steps over
     12 rows (two passes over the data)."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     dog = tokenizer.convert_tokens_to_ids("dog")
@@ -187,7 +187,7 @@ def test_early_stopping_drops_the_rejected_minibatch(tmp_path, lora):
     KL reference is the policy with its adapters disabled."""
     from peft import LoraConfig
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     dog = tokenizer.convert_tokens_to_ids("dog")
@@ -210,7 +210,7 @@ def test_separate_value_model_with_left_padded_prompts(tmp_path):
     the real positions. Score scaling without normalisation, default γ/λ."""
     from transformers import GPT2Config, GPT2ForSequenceClassification
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     dog = tokenizer.convert_tokens_to_ids("dog")
@@ -267,7 +267,7 @@ def test_tapm_lora_policy_reference_keeps_the_initial_visual_encoder(tmp_path, t
     sentence, each credited with its story's score; the KL reference is the
     decoder without adapters after the *initial* visual encoder, while the
     trained encoder moves (step 2's KL shows the difference)."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     model, tokenizer = tapm_lora_model(tapm)
     ids = [["img0", "img1", "img2"], ["img1", "img2", "img3", "img4"], ["img4", "img0", "img1"], ["img2", "img3"]]
@@ -287,7 +287,7 @@ def test_tapm_lora_policy_reference_keeps_the_initial_visual_encoder(tmp_path, t
 def toy_ppo(tmp_path, steps=12, kl_coef=0.05, rewards=None, weights=None, seed=0):
     """PPO on "say dog": reward = the fraction of response tokens that are
     "dog" (optimum 1), 8 prompts per step, 4-token responses, no stop token."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     dog = tokenizer.convert_tokens_to_ids("dog")
@@ -332,7 +332,7 @@ def test_a_zero_weight_reward_changes_nothing(tmp_path):
     assert all(r["rewards/log_only/mean"] is not None for r in logged_history)
 
 
-# -- GRPO and RLOO (TRL, through storyrl.training.rl.train) --------------------------------------
+# -- GRPO and RLOO (TRL, through storyrl.training.storyteller.rl.train) --------------------------------------
 
 TOY_WORDS = {"dog", "cat", "park"}
 
@@ -372,8 +372,8 @@ def rl_assets(tmp_path_factory):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_grpo_and_rloo_raise_the_reward_of_a_toy_task(rl_assets, tmp_path, algorithm):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     _register_toy_reward()
     section = {"per_device_train_batch_size": 16, "num_generations": 8, "max_completion_length": 4,

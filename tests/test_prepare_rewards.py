@@ -212,7 +212,7 @@ class Recording(Reward):
 
 
 def rl_config(tmp_path, **extra):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     data = tmp_path / "d.jsonl"
     data.parent.mkdir(parents=True, exist_ok=True)
@@ -224,9 +224,9 @@ def rl_config(tmp_path, **extra):
 def test_rl_prepare_option(tmp_path, images, monkeypatch):
     from datasets import Dataset
 
-    from storyrl.training.rl import train as rl_train
+    from storyrl.training.storyteller.rl import train as rl_train
 
-    monkeypatch.setattr("storyrl.training.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
     rows = [{"prompt": "p", "story_id": str(k), "reference": HUMAN[k], "story_images": s, "image_ids": None}
             for k, s in enumerate(sequences(images))]
     dataset = Dataset.from_list(rows).with_transform(lambda batch: {"images": batch["story_id"]})
@@ -247,18 +247,18 @@ def test_rl_prepare_option(tmp_path, images, monkeypatch):
 def test_rl_train_calls_prepare_before_the_algorithm(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from storyrl.training.rl import config as rl_config_module
-    from storyrl.training.rl import train as rl_train
+    from storyrl.training.storyteller.rl import config as rl_config_module
+    from storyrl.training.storyteller.rl import train as rl_train
 
     order = []
     reward = Recording()
     monkeypatch.setattr(rl_config_module.RLConfig, "policy_kind", lambda self, read_hub=True: "text")
     monkeypatch.setattr(rl_config_module.RLConfig, "build_rewards", lambda self: [reward])
-    monkeypatch.setattr("storyrl.training.rl.policy.load_policy",
+    monkeypatch.setattr("storyrl.training.storyteller.rl.policy.load_policy",
                         lambda config, kind: SimpleNamespace(processing_class=None))
     from datasets import Dataset
 
-    monkeypatch.setattr("storyrl.training.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
+    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
         [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
 
     def runner(config, policy, dataset, rewards, **kw):
@@ -494,9 +494,9 @@ def test_rl_prepare_keys_human_stories_as_training_steps_do(tiny_clip, images, c
                                                             monkeypatch, fresh):
     from datasets import Dataset
 
-    from storyrl.training.rl import train as rl_train
+    from storyrl.training.storyteller.rl import train as rl_train
 
-    monkeypatch.setattr("storyrl.training.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
     rows = [{"prompt": "p", "story_id": sid, "reference": HUMAN[k], "story_images": s}
             for k, (sid, s) in enumerate(zip(["a", "b", "c"], sequences(images)))]
     reward = dhm(tiny_clip, coherence_model, tmp_path)
@@ -524,14 +524,14 @@ def test_rl_train_reports_a_prepare_failure_as_a_setup_error(tmp_path, monkeypat
 
     from datasets import Dataset
 
-    from storyrl.training.rl import config as rl_config_module
-    from storyrl.training.rl import train as rl_train
+    from storyrl.training.storyteller.rl import config as rl_config_module
+    from storyrl.training.storyteller.rl import train as rl_train
 
     monkeypatch.setattr(rl_config_module.RLConfig, "policy_kind", lambda self, read_hub=True: "text")
     monkeypatch.setattr(rl_config_module.RLConfig, "build_rewards", lambda self: [Broken()])
-    monkeypatch.setattr("storyrl.training.rl.policy.load_policy",
+    monkeypatch.setattr("storyrl.training.storyteller.rl.policy.load_policy",
                         lambda config, kind: SimpleNamespace(processing_class=None))
-    monkeypatch.setattr("storyrl.training.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
+    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
         [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
     monkeypatch.setattr(rl_config_module.Algorithm, "runner", lambda self: pytest.fail("the algorithm ran"))
     with pytest.raises(ValueError) as info:

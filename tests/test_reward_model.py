@@ -59,7 +59,7 @@ def options(assets, out, **extra):
 
 
 def config_of(assets, out, **extra):
-    from storyrl.training.reward_model import RewardModelRunConfig
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig
 
     return RewardModelRunConfig.from_mapping(options(assets, out, **extra))
 
@@ -83,7 +83,7 @@ SEED = 2
 @pytest.fixture(scope="module")
 def trained(assets, tmp_path_factory):
     """A run that holds 2 of 8 sequences out and learns good > bad."""
-    from storyrl.training.reward_model import RewardModelRunConfig, train
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, train
 
     out = tmp_path_factory.mktemp("run") / "out"
     # seed 2: a fresh head that orders every pair wrongly, so all right afterwards is learnt
@@ -98,7 +98,7 @@ def trained(assets, tmp_path_factory):
 def test_one_step_loss_is_the_bradley_terry_loss_of_a_forward_pass(assets, tmp_path):
     import torch
 
-    from storyrl.training.reward_model import load_backbone, train
+    from storyrl.training.storyteller.reward_model import load_backbone, train
 
     config = config_of(assets, tmp_path / "out")
     model, tokenizer = load_backbone(config)  # the same seed: the same fresh score head
@@ -113,7 +113,7 @@ def test_one_step_loss_is_the_bradley_terry_loss_of_a_forward_pass(assets, tmp_p
 
 
 def test_a_separable_preference_is_learnt_and_held_out_pairs_are_all_right(trained, assets, tmp_path):
-    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs
+    from storyrl.training.storyteller.reward_model import load_backbone, pair_accuracy, read_pairs
 
     assert trained.heldout_pairs == 2 and trained.heldout_accuracy == 1.0
     # Before training the fresh head of this seed orders every pair wrongly (the check can fail).
@@ -132,7 +132,7 @@ def test_a_separable_preference_is_learnt_and_held_out_pairs_are_all_right(train
 
 
 def test_split_is_by_story_id_seeded_and_fraction_sized():
-    from storyrl.training.reward_model import split_pairs
+    from storyrl.training.storyteller.reward_model import split_pairs
 
     rows = [{"story_id": f"s{k // 2}", "chosen": "a", "rejected": "b", "_line": k + 1} for k in range(20)]
     train, held = split_pairs(rows, 0.3, seed=0)
@@ -148,7 +148,7 @@ def test_split_is_by_story_id_seeded_and_fraction_sized():
 
 
 def test_max_length_and_include_prompt_change_the_trained_tokens(assets, tmp_path):
-    from storyrl.training.reward_model import build_trainer
+    from storyrl.training.storyteller.reward_model import build_trainer
 
     trainer, _, prompt = build_trainer(config_of(assets, tmp_path / "a"), progress=False)
     tokenizer = trainer.processing_class
@@ -167,7 +167,7 @@ def test_include_prompt_false_saves_no_prompt_and_the_reward_scores_the_story_al
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from storyrl.rewards import create_reward
-    from storyrl.training.reward_model import train
+    from storyrl.training.storyteller.reward_model import train
 
     result = train(config_of(assets, tmp_path / "out", include_prompt=False, max_length=32), progress=False)
     final = result.final_dir
@@ -182,7 +182,7 @@ def test_include_prompt_false_saves_no_prompt_and_the_reward_scores_the_story_al
 
 def test_lora_merge_saves_full_weights_and_adapters_load_in_the_reward(assets, tmp_path):
     from storyrl.rewards import create_reward
-    from storyrl.training.reward_model import train
+    from storyrl.training.storyteller.reward_model import train
 
     lora = {"enabled": True, "r": 4, "alpha": 8}
     adapters = train(config_of(assets, tmp_path / "a", lora=lora), progress=False)
@@ -198,7 +198,7 @@ def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    from storyrl.training.reward_model import train
+    from storyrl.training.storyteller.reward_model import train
 
     whole = train(config_of(assets, tmp_path / "whole", max_steps=4, batch_size=4, save_steps=2), progress=False)
     cut = tmp_path / "cut"
@@ -280,7 +280,7 @@ def test_score_command_uses_the_trained_model(trained, tmp_path):
 
 def test_bad_configs_are_one_line_errors(assets, tmp_path):
     from storyrl.rewards import create_reward
-    from storyrl.training.reward_model import RewardModelRunConfig, build_trainer
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, build_trainer
 
     with pytest.raises(ValueError, match="pairs: no such file"):
         config_of(assets, tmp_path / "o", pairs=str(tmp_path / "missing.jsonl"))
@@ -360,7 +360,7 @@ def test_meta_eval_pairs_command_scores_storyrl_pairs(tmp_path):
 
 
 def test_whitespace_stories_non_string_ids_and_empty_files_are_refused(tmp_path):
-    from storyrl.training.reward_model import read_pairs
+    from storyrl.training.storyteller.reward_model import read_pairs
 
     blank = write_pairs(tmp_path / "blank.jsonl", [pair(0, "a cat"), {**pair(1, "the dog"), "chosen": " \n\t "}])
     with pytest.raises(ValueError, match=r"blank.jsonl: line 2: 'chosen' must be a non-empty string"):
@@ -378,7 +378,7 @@ def test_whitespace_stories_non_string_ids_and_empty_files_are_refused(tmp_path)
 
 
 def test_include_prompt_with_rows_without_a_prompt_is_refused(assets, tmp_path):
-    from storyrl.training.reward_model import build_trainer
+    from storyrl.training.storyteller.reward_model import build_trainer
 
     rows = [pair(0, SUBJECTS[0]), *({k: v for k, v in pair(k, s).items() if k != "prompt"}
                                     for k, s in enumerate(SUBJECTS[1:3], start=1))]
@@ -408,7 +408,7 @@ def _groups(n: int) -> list[dict]:
     (0.5, 1, 0),    # a single group is never held out
 ])
 def test_split_holds_out_round_fraction_times_groups_keeping_one_for_training(fraction, groups, held):
-    from storyrl.training.reward_model import split_pairs
+    from storyrl.training.storyteller.reward_model import split_pairs
 
     rows = _groups(groups)
     for seed in range(3):
@@ -418,7 +418,7 @@ def test_split_holds_out_round_fraction_times_groups_keeping_one_for_training(fr
 
 
 def test_epochs_sets_the_steps_and_save_steps_the_checkpoints(assets, tmp_path):
-    from storyrl.training.reward_model import train
+    from storyrl.training.storyteller.reward_model import train
 
     # 8 pairs, 4 a step: 2 steps an epoch
     result = train(config_of(assets, tmp_path / "e", max_steps=None, epochs=2.0, batch_size=4, save_steps=3),
@@ -436,7 +436,7 @@ def test_epochs_sets_the_steps_and_save_steps_the_checkpoints(assets, tmp_path):
 def test_a_backbone_without_a_pad_token_id_trains_in_batches(assets, tmp_path):
     from transformers import AutoConfig
 
-    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs, train
+    from storyrl.training.storyteller.reward_model import load_backbone, pair_accuracy, read_pairs, train
 
     backbone = tmp_path / "nopad"
     save_tiny_llama(backbone, TEXTS, chat=False)
@@ -458,7 +458,7 @@ def test_without_progress_nothing_is_printed(assets, tmp_path, capfd):
     from click.testing import CliRunner
 
     from storyrl.cli import main
-    from storyrl.training.reward_model import train
+    from storyrl.training.storyteller.reward_model import train
 
     train(config_of(assets, tmp_path / "out", max_steps=2, logging_steps=1), progress=False)
     assert capfd.readouterr().out == ""
@@ -474,7 +474,7 @@ def test_without_progress_nothing_is_printed(assets, tmp_path, capfd):
 def test_pair_accuracy_counts_ties_as_wrong(assets, tmp_path):
     import torch
 
-    from storyrl.training.reward_model import load_backbone, pair_accuracy, read_pairs
+    from storyrl.training.storyteller.reward_model import load_backbone, pair_accuracy, read_pairs
 
     model, tokenizer = load_backbone(config_of(assets, tmp_path / "o"))
     with torch.no_grad():
@@ -499,7 +499,7 @@ def test_resume_starts_at_the_checkpoint(assets, tmp_path, monkeypatch):
 
     from transformers import TrainerCallback
 
-    from storyrl.training import reward_model
+    from storyrl.training.storyteller import reward_model
 
     options_ = {"max_steps": 4, "batch_size": 4, "save_steps": 2}
     reward_model.train(config_of(assets, tmp_path / "cut", **options_), progress=False)
@@ -636,7 +636,7 @@ def test_conversation_prompts_train_and_the_reward_scores_as_trained(assets, cha
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from storyrl.rewards import create_reward
-    from storyrl.training.reward_model import load_backbone, train
+    from storyrl.training.storyteller.reward_model import load_backbone, train
 
     path = write_pairs(tmp_path / "chat.jsonl", [chat_pair(k, s, conversation) for k, s in enumerate(SUBJECTS)])
     config = config_of(assets, tmp_path / "out", model=chat_model, pairs=path)
@@ -658,7 +658,7 @@ def test_conversation_prompts_train_and_the_reward_scores_as_trained(assets, cha
 
 
 def test_a_conversation_without_a_chat_template_is_its_texts_one_per_line(assets, tmp_path):
-    from storyrl.training.reward_model import build_trainer
+    from storyrl.training.storyteller.reward_model import build_trainer
 
     conversation = [{"role": "system", "content": "we went home ."}, *VLM_PROMPT]
     path = write_pairs(tmp_path / "plain.jsonl", [chat_pair(k, s, conversation) for k, s in enumerate(SUBJECTS)])
@@ -691,7 +691,7 @@ def test_prompt_text_leaves_the_bos_to_the_tokenizer():
 
 
 def test_one_conversation_written_with_its_keys_in_another_order_is_one_prompt():
-    from storyrl.training.reward_model import shared_prompt
+    from storyrl.training.storyteller.reward_model import shared_prompt
 
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": PROMPT}]}]
     reordered = [{"content": [{"text": PROMPT, "type": "text"}, {"type": "image"}][::-1], "role": "user"}]
@@ -700,7 +700,7 @@ def test_one_conversation_written_with_its_keys_in_another_order_is_one_prompt()
 
 
 def test_a_conversation_the_template_cannot_render_is_one_line(assets, chat_model, tmp_path):
-    from storyrl.training.reward_model import build_trainer
+    from storyrl.training.storyteller.reward_model import build_trainer
 
     path = write_pairs(tmp_path / "bad.jsonl", [chat_pair(0, "a cat", [{"role": "user", "content": 7}])])
     with pytest.raises(ValueError, match=r"^pairs \S*bad.jsonl: .*content must be a string or a list") as info:
@@ -711,7 +711,7 @@ def test_a_conversation_the_template_cannot_render_is_one_line(assets, chat_mode
 def test_pairs_whose_chosen_is_the_rejected_are_refused_all_or_warned_some(assets, tmp_path, caplog):
     import logging
 
-    from storyrl.training.reward_model import build_trainer
+    from storyrl.training.storyteller.reward_model import build_trainer
 
     same = [{**pair(k, s), "rejected": good(s) + " "} for k, s in enumerate(SUBJECTS)]  # whitespace aside
     path = write_pairs(tmp_path / "same.jsonl", same)
@@ -734,7 +734,7 @@ def test_a_lora_adapter_directory_is_a_backbone_merged_into_its_base(assets, tmp
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from storyrl.training.reward_model import load_backbone, train
+    from storyrl.training.storyteller.reward_model import load_backbone, train
 
     base = AutoModelForCausalLM.from_pretrained(assets["model"])
     peft_model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))

@@ -56,7 +56,7 @@ def base():
 
 
 def _ppo(tmp_path, base, weights="fp32", mixed="no", lora=False, **options):
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer, model = base
     model = copy.deepcopy(model).to(DTYPES[weights])
@@ -157,8 +157,8 @@ def test_ppo_value_model_at_each_precision_matches_fp32(tmp_path, base, fp32_run
 
 
 def test_fp16_weights_are_refused_without_lora_and_bf16_on_a_gpu_without_it(tmp_path, monkeypatch):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.ppo.config import PPOConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.ppo.config import PPOConfig
 
     data = tmp_path / "d.jsonl"
     data.write_text('{"story_id": "a", "story": "x .", "image_ids": ["1"]}\n')
@@ -204,10 +204,10 @@ def _trl_run(assets, out, algorithm, precision="fp32", lora=False, **flags):
     trainer's own autocast, trainable weights before and after)."""
     from transformers import TrainerCallback
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import build_dataset
-    from storyrl.training.rl.policy import load_policy
-    from storyrl.training.rl.trl_trainers import train_trl
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.data import build_dataset
+    from storyrl.training.storyteller.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.trl_trainers import train_trl
 
     section = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 6,
                "learning_rate": 1e-3, "beta": 0.1, "logging_steps": 1, "save_strategy": "no", **flags}
@@ -272,7 +272,7 @@ def test_ppo_vlm_at_each_precision_matches_fp32(tmp_path, weights, lora):
 
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
     from test_ppo import vlm_dataset
 
     directory = tiny_models.save_tiny_vlm(tmp_path / "llava_next", "llava_next", CORPUS)

@@ -1,4 +1,4 @@
-"""Rollouts sampled on merged LoRA weights (storyrl.training.rl.sampling,
+"""Rollouts sampled on merged LoRA weights (storyrl.training.storyteller.rl.sampling,
 issue 32): the merged model computes what a hand-merged copy computes, the
 base weights come back bit for bit, layers that cannot be merged exactly
 sample unmerged, and PPO, GRPO and RLOO sample merged unless
@@ -17,7 +17,7 @@ import storyrl  # noqa: F401  (torchvision fallback before transformers)
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-from storyrl.training.rl.sampling import lora_layers, merged_adapters, unmergeable  # noqa: E402
+from storyrl.training.storyteller.rl.sampling import lora_layers, merged_adapters, unmergeable  # noqa: E402
 
 CORPUS = ["The cat sat on the mat. The dog ran to the park.", "Tell me a story about these pictures."]
 TARGETS = ["q_proj", "v_proj"]
@@ -179,7 +179,7 @@ def test_ppo_samples_on_merged_weights_and_computes_the_sampled_logprobs(tmp_pat
     decoding still uses the KV cache (one token per forward)."""
     from test_ppo import WordCount, ppo_args, sampling_logprobs_agree, text_dataset
 
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     tokenizer = tiny_models.chat_tokenizer(CORPUS)
     args = ppo_args(tmp_path, temperature=0.7, response_length=6, merge_adapters_for_sampling=merge,
@@ -211,8 +211,8 @@ def rl_assets(tmp_path_factory):
 @pytest.mark.parametrize("algorithm,merge", [("grpo", True), ("grpo", False), ("rloo", True)])  # rloo: with GC
 def test_grpo_and_rloo_sample_on_merged_weights_and_keep_the_base(rl_assets, tmp_path, generate_spy, algorithm,
                                                                    merge):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     config = RLConfig.from_mapping({
         "algorithm": algorithm, "model": rl_assets["model"], "data": rl_assets["data"], "output_dir": str(tmp_path),
@@ -243,7 +243,7 @@ def test_merge_adapters_for_sampling_is_a_run_level_key(rl_assets, tmp_path):
     """Set at the top level (a bool, checked, not coerced), it reaches
     PPO's config; inside an algorithm's section it is refused in one line."""
     from storyrl.config import ConfigError
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     base = {"model": rl_assets["model"], "data": rl_assets["data"], "output_dir": str(tmp_path),
             "rewards": ["bleu"], "prompt": "P1"}

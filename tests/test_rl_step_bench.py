@@ -82,7 +82,7 @@ def test_step_done_replays_each_variant_and_leaves_the_rng(tiny, lora):
     assert all(set(r) == variants for r in recorder.replays.values())
     assert model.training  # put back as it was
     if lora:
-        from storyrl.training.rl.sampling import lora_layers
+        from storyrl.training.storyteller.rl.sampling import lora_layers
 
         assert len(lora_layers(model)) == 2  # the merged replays left the adapters in place
     phases = [0.3, 0.2]
@@ -111,7 +111,7 @@ def test_adapters_that_cannot_be_swapped_are_merged_after_the_run(tiny, monkeypa
 
     model, _, ids, mask = tiny
     model = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    monkeypatch.setattr("storyrl.training.rl.sampling.unmergeable", lambda layer: "a 4-bit base (pretended)")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.sampling.unmergeable", lambda layer: "a 4-bit base (pretended)")
     recorder = rl_generate.GenerateRecorder(warmup=0, repeats=1)
     with recorder.recording():
         recorder.next_step()
@@ -132,7 +132,7 @@ def test_no_timed_generate_is_an_error_entry():
 def test_rl_step_options_reach_the_rl_config(monkeypatch, tmp_path):
     import rl_step
 
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     seen = []
     monkeypatch.setattr(RLConfig, "from_mapping", classmethod(lambda cls, mapping: seen.append(mapping)))

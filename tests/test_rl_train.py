@@ -94,7 +94,7 @@ def options(assets, out, algorithm="grpo", policy="text", lora=False, **extra):
 
 
 def rl_config(*args, **kwargs):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     return RLConfig.from_mapping(options(*args, **kwargs))
 
@@ -127,9 +127,9 @@ def read_jsonl(path):
 @pytest.mark.parametrize("policy", ["text", "vlm"])
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_two_steps_train_log_and_save(assets, tmp_path, algorithm, policy, lora):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import vision_parameter_names
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import vision_parameter_names
+    from storyrl.training.storyteller.rl.train import train
 
     config = rl_config(assets, tmp_path / "out", algorithm, policy, lora)
     snapshot = snapshot_callback()
@@ -184,7 +184,7 @@ def test_two_steps_train_log_and_save(assets, tmp_path, algorithm, policy, lora)
         assert RLConfig.from_yaml(path).to_dict() == config.to_dict()
     if policy == "vlm":  # the saved VLM (adapters on the base, or full weights) generates
         from storyrl.datasets import load_records
-        from storyrl.training.rl.policy import generate_stories
+        from storyrl.training.storyteller.rl.policy import generate_stories
 
         stories = generate_stories(config, str(final), load_records(assets["data"])[:2], batch_size=2)
         assert list(stories) == ["s0", "s1"] and all(isinstance(v, str) for v in stories.values())
@@ -193,7 +193,7 @@ def test_two_steps_train_log_and_save(assets, tmp_path, algorithm, policy, lora)
 def test_lora_merge_saves_full_weights_changed_only_where_adapters_were(assets, tmp_path):
     from safetensors.numpy import load_file
 
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     config = rl_config(assets, tmp_path / "out", lora=True, max_steps=1)
     config.lora.merge = True
@@ -208,13 +208,13 @@ def test_lora_merge_saves_full_weights_changed_only_where_adapters_were(assets, 
 
 
 def _model_of(config):
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     return load_policy(config).model
 
 
 def test_lora_runs_keep_the_vlm_vision_tower_without_adapters(assets):
-    from storyrl.training.rl.policy import lora_config, vision_parameter_names
+    from storyrl.training.storyteller.rl.policy import lora_config, vision_parameter_names
 
     from peft import get_peft_model
 
@@ -237,7 +237,7 @@ def test_resume_equals_an_uninterrupted_run(assets, tmp_path):
     from safetensors.numpy import load_file
     from transformers import TrainerCallback
 
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     class CrashAfterLogging4(TrainerCallback):
         def on_log(self, args, state, control, **kwargs):
@@ -276,8 +276,8 @@ def test_prompt_dataset_rows(assets, policy, setting):
     from PIL import Image
 
     from storyrl.generators.sequence_image import sequence_image
-    from storyrl.training.rl.data import build_dataset
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.data import build_dataset
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     config = rl_config(assets, "unused", policy=policy, setting=setting)
     loaded = load_policy(config)
@@ -311,7 +311,7 @@ def test_generate_stories_equals_greedy_decoding_by_hand(assets, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from storyrl.datasets import load_records
-    from storyrl.training.rl.policy import generate_stories
+    from storyrl.training.storyteller.rl.policy import generate_stories
 
     config = rl_config(assets, tmp_path / "out")
     records = load_records(assets["data"])
@@ -342,7 +342,7 @@ def test_run_level_keys_flow_into_the_algorithm_and_only_given_keys_are_saved(as
 
     from trl import GRPOConfig
 
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",  # tensorboard as if installed (storyrl does not need it)
@@ -392,7 +392,7 @@ def test_run_level_keys_flow_into_the_algorithm_and_only_given_keys_are_saved(as
     ({"max_steps": "2"}, r"key 'max_steps': expected an integer"),
 ])
 def test_config_errors_name_the_file_and_the_key(assets, tmp_path, change, message):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     path = write_yaml(tmp_path / "bad.yaml", {**options(assets, tmp_path / "out"), **change})
     with pytest.raises(ValueError, match=f"^{path}: RLConfig: .*{message}") as info:
@@ -401,7 +401,7 @@ def test_config_errors_name_the_file_and_the_key(assets, tmp_path, change, messa
 
 
 def test_tapm_policies_train_with_ppo_only(assets, tmp_path):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     tapm = tmp_path / "tapm"
     tapm.mkdir()
@@ -416,8 +416,8 @@ def test_tapm_policies_train_with_ppo_only(assets, tmp_path):
 
 
 def test_ppo_refuses_callbacks_in_one_line_before_loading_anything(assets, tmp_path):
-    from storyrl.training.rl.config import ALGORITHMS, RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import ALGORITHMS, RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     assert [n for n, a in ALGORITHMS.items() if not a.callbacks] == ["ppo"]
     config = RLConfig.from_mapping({**options(assets, tmp_path / "o", "ppo"), "ppo": {}})
@@ -429,7 +429,7 @@ def test_ppo_refuses_callbacks_in_one_line_before_loading_anything(assets, tmp_p
 
 
 def test_detected_policies(assets):
-    from storyrl.training.rl.policy import detect_policy
+    from storyrl.training.storyteller.rl.policy import detect_policy
 
     assert detect_policy(assets["text"]) == "causal_lm" and detect_policy(assets["vlm"]) == "vlm"
     assert detect_policy("some/hub-model", read_hub=False) is None
@@ -438,7 +438,7 @@ def test_detected_policies(assets):
 def test_4bit_without_cuda_is_a_one_line_error(assets):
     import torch
 
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
@@ -449,7 +449,7 @@ def test_4bit_without_cuda_is_a_one_line_error(assets):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "rl").glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_rl_configs_load(path, assets, monkeypatch):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     monkeypatch.chdir(REPO)  # reward config paths are relative to the checkout
     config = RLConfig.from_yaml(path.relative_to(REPO), data=assets["data"])  # their data is not here
@@ -589,9 +589,9 @@ def test_tapm_policy_trains_with_ppo_and_generates(tmp_path):
     from storyrl.generators.tapm import TapmGenerator
     from storyrl.generators.tapm.features import FeatureExtractor, FeatureStore, write_features
     from storyrl.generators.tapm.model import TapmModel
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import generate_stories
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import generate_stories
+    from storyrl.training.storyteller.rl.train import train
 
     images = tiny_models.write_images(tmp_path / "img", n=5)
     write_features(tmp_path / "features", [(p.stem, str(p)) for p in images],

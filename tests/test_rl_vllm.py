@@ -1,4 +1,4 @@
-"""TRL's vLLM generation for GRPO/RLOO (storyrl.training.rl.vllm_options):
+"""TRL's vLLM generation for GRPO/RLOO (storyrl.training.storyteller.rl.vllm_options):
 refused in one line where vLLM is missing (it is, here), every key's values
 and the combinations TRL would refuse late or ignore checked when the RL
 config is read, the keys reaching TRL's config unchanged, and TRL's
@@ -13,7 +13,7 @@ import pytest
 import tiny_models
 
 import storyrl  # noqa: F401  (torchvision fallback before transformers)
-from storyrl.training.rl import vllm_options
+from storyrl.training.storyteller.rl import vllm_options
 
 pytestmark = pytest.mark.usefixtures("trl_offline")
 
@@ -27,7 +27,7 @@ def files(tmp_path_factory):
 
 
 def build(files, tmp_path, algorithm="grpo", section=None, **top):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     section = {"max_completion_length": 16, **(section or {})}
     return RLConfig.from_mapping({"algorithm": algorithm, "model": files["model"], "data": files["data"],
@@ -138,7 +138,7 @@ SERVER = {"use_vllm": True, "vllm_mode": "server", "vllm_server_host": "10.0.0.2
 def test_vllm_keys_reach_trls_config_unchanged(files, tmp_path, vllm_here, algorithm, keys):
     import trl
 
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     config = build(files, tmp_path, algorithm, dict(keys))
     built = config.algorithm_config()
@@ -150,7 +150,7 @@ def test_vllm_keys_reach_trls_config_unchanged(files, tmp_path, vllm_here, algor
 
 
 def test_tensor_parallelism_must_divide_the_processes(files, tmp_path, vllm_here):
-    from storyrl.training.rl.trl_trainers import train_trl
+    from storyrl.training.storyteller.rl.trl_trainers import train_trl
 
     config = build(files, tmp_path, section={"use_vllm": True, "vllm_tensor_parallel_size": 2})
     with pytest.raises(ValueError, match=r"grpo.vllm_tensor_parallel_size 2 does not divide the 1 training"):
@@ -175,7 +175,7 @@ def _bf16_lora():
 
 
 def _base_weights(model):
-    from storyrl.training.rl.sampling import lora_layers
+    from storyrl.training.storyteller.rl.sampling import lora_layers
 
     return {k: layer.get_base_layer().weight.detach().clone() for k, (_, _, layer) in enumerate(lora_layers(model))}
 
@@ -191,7 +191,7 @@ def trl_like_sync(model, seen):
 def test_the_weight_sync_leaves_the_bf16_base_as_it_was():
     import torch
 
-    from storyrl.training.rl.sampling import kept_base_weights
+    from storyrl.training.storyteller.rl.sampling import kept_base_weights
 
     model = _bf16_lora()
     before = _base_weights(model)
@@ -211,7 +211,7 @@ def test_the_weight_sync_leaves_the_bf16_base_as_it_was():
 def test_the_trainer_wraps_trls_weight_sync():
     import torch
 
-    from storyrl.training.rl.trl_trainers import _merged_sampling
+    from storyrl.training.storyteller.rl.trl_trainers import _merged_sampling
 
     model, seen = _bf16_lora(), []
 

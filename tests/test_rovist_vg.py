@@ -47,7 +47,7 @@ def test_score_formula_by_hand():
 def test_loss_matches_hand_computation_on_2x2():
     import torch
 
-    from storyrl.training.rovist_vg import rovist_vg_loss
+    from storyrl.training.judges.rovist_vg import rovist_vg_loss
 
     image = np.array([[0.5, -0.3], [0.1, 0.8]])
     text = np.array([[0.4, 0.2], [-0.6, 0.7]])
@@ -279,7 +279,7 @@ def test_config_files_parse():
     import yaml
 
     from storyrl.config import option_info
-    from storyrl.training.rovist_vg import RovistVGTrainConfig
+    from storyrl.training.judges.rovist_vg import RovistVGTrainConfig
 
     repo = Path(__file__).resolve().parents[1]
     reward_cfg = yaml.safe_load((repo / "configs" / "rewards" / "rovist_vg.yaml").read_text())
@@ -300,7 +300,7 @@ def test_config_files_parse():
 
 
 def test_read_pairs_errors_name_file_and_line(images, tmp_path):
-    from storyrl.training.rovist_vg import read_pairs
+    from storyrl.training.judges.rovist_vg import read_pairs
 
     root = Path(images[0]).parent
     good = tmp_path / "pairs.csv"
@@ -321,7 +321,7 @@ def test_read_pairs_errors_name_file_and_line(images, tmp_path):
 
 
 def test_training_lowers_the_loss_and_saves_a_usable_model(images, glove_path, tmp_path):
-    from storyrl.training.rovist_vg import RegionPhraseDataset, RovistVGTrainConfig, read_pairs, train_rovist_vg
+    from storyrl.training.judges.rovist_vg import RegionPhraseDataset, RovistVGTrainConfig, read_pairs, train_rovist_vg
 
     root = Path(images[0]).parent
     pairs = tmp_path / "pairs.csv"

@@ -147,8 +147,8 @@ def test_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(assets, tapm_
     """Killed during step 2 (after checkpoint-1), with a newer checkpoint
     half-written by the kill: --resume continues from the complete one and
     ends with the uninterrupted run's weights, bit for bit."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     def config(out):
         # seed 1: the tiny VLM's samples at seed 0 all get one reward on merged-LoRA sampling (no dropout
@@ -202,14 +202,14 @@ def held_by_another_process(directory, seconds=15):
 
 
 def rl_run(assets, out, **extra):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     crashing_run(None)
     return RLConfig.from_mapping(run_options(assets, None, out, "grpo", "text", True, max_steps=1, **extra))
 
 
 def test_an_existing_run_directory_is_refused_without_overwrite_and_cleared_with_it(assets, tmp_path):
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import LOCK_FILE, RunDirectoryError
 
     out = tmp_path / "run"
@@ -340,7 +340,7 @@ def test_cli_train_refuses_then_overwrites_a_fit_trainers_run(tmp_path):
 def test_a_second_run_on_a_locked_directory_fails_at_once(assets, tmp_path):
     """While one process holds the run directory (a subprocess here), a
     second train rl fails at once naming it, and leaves it untouched."""
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import RunDirectoryError
 
     out = tmp_path / "run"
@@ -373,8 +373,8 @@ def test_ablate_locks_its_output_directory(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo", "ppo"])
 def test_a_run_whose_reward_scores_no_story_fails_without_a_final_policy(assets, tmp_path, algorithm):
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import RunFailedError
 
     out = tmp_path / "run"
@@ -389,8 +389,8 @@ def test_a_run_whose_reward_scores_no_story_fails_without_a_final_policy(assets,
 
 def test_a_run_that_trains_zero_steps_fails(assets, tmp_path):
     """4 prompts cannot fill one GRPO step of 16 prompts: no step, an error, no final/."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
     from storyrl.training.runs import RunFailedError
 
     out = tmp_path / "run"
@@ -436,8 +436,8 @@ def test_resume_never_unpickles_a_planted_file(assets, tmp_path):
 
     from storyrl.training.config import TrainConfig
     from storyrl.training.loop import fit
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     # PPO
     marker = tmp_path / "pwned_ppo"
@@ -525,7 +525,7 @@ def test_a_legacy_checkpoint_schedule_is_read_only_as_plain_data(tmp_path):
     ({"ppo": {"learning_rate": 1e-3}}, "ppo: options for algorithm ppo, but the run's algorithm is grpo"),
 ])
 def test_rl_config_values_are_validated_not_converted(assets, tmp_path, change, message):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False)
     for key, value in change.items():
@@ -535,7 +535,7 @@ def test_rl_config_values_are_validated_not_converted(assets, tmp_path, change, 
 
 
 def test_nested_ppo_options_refuse_nan(assets, tmp_path):
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     mapping = run_options(assets, None, tmp_path / "o", "ppo", "text", False)
     mapping["ppo"]["learning_rate"] = math.nan
@@ -546,7 +546,7 @@ def test_nested_ppo_options_refuse_nan(assets, tmp_path):
 def test_trl_values_their_docs_admit_are_kept_as_given(assets, tmp_path):
     """scale_rewards is annotated str but documented `str` or `bool`: a bool
     passes to TRL (which maps it); an int save_steps stays an int."""
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False)
     mapping["grpo"].update(scale_rewards=False, save_steps=3)
@@ -577,7 +577,7 @@ def test_two_ppo_processes_share_one_run(assets, tmp_path):
 def test_ppo_processes_roll_out_different_prompts(assets, tmp_path):
     """The rows of one step: process k takes the k-th block of the global
     batch, so two processes never roll out the same prompts in a step."""
-    from storyrl.training.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
 
     trainer = PPOTrainer.__new__(PPOTrainer)
     trainer.args = type("A", (), {"per_device_train_batch_size": 2, "seed": 0})()
@@ -627,8 +627,8 @@ class _Chars(Reward):
 def test_reward_weights_reach_the_algorithm(assets, tmp_path, algorithm):
     """The logged reward of a step is the weighted sum of the rewards' means
     (every story scorable by both): the run's reward_weights, not 1 and 1."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     crashing_run(None)
     options_ = run_options(assets, None, tmp_path / "run", algorithm, "text", True, max_steps=1,
@@ -643,8 +643,8 @@ def test_reward_weights_reach_the_algorithm(assets, tmp_path, algorithm):
 def test_resume_without_a_checkpoint_starts_afresh(assets, tmp_path, caplog, algorithm):
     import logging
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     crashing_run(None)
     options_ = run_options(assets, None, tmp_path / "run", algorithm, "text", True, max_steps=1)
@@ -656,8 +656,8 @@ def test_resume_without_a_checkpoint_starts_afresh(assets, tmp_path, caplog, alg
 def test_a_reward_that_cannot_load_leaves_the_directory_empty(assets, tmp_path):
     """The run fails before writing anything, so it can be started again
     without --overwrite."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     out = tmp_path / "run"
     options_ = run_options(assets, None, out, "grpo", "text", True,
@@ -672,8 +672,8 @@ def test_the_saved_config_and_resume_warnings(assets, tmp_path, caplog, monkeypa
     longer max_steps says nothing, with another learning rate it warns."""
     import logging
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import CONFIG_FILE, _save_config
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import CONFIG_FILE, _save_config
 
     out = tmp_path / "run"
     config = RLConfig.from_mapping(run_options(assets, None, out, "grpo", "text", True))
@@ -684,12 +684,12 @@ def test_the_saved_config_and_resume_warnings(assets, tmp_path, caplog, monkeypa
     _save_config(config, resume=False)
     assert RLConfig.from_yaml(out / CONFIG_FILE).to_dict() == config.to_dict()
     longer = RLConfig.from_mapping({**run_options(assets, None, out, "grpo", "text", True), "max_steps": 9})
-    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.storyteller.rl.train"):
         _save_config(longer, resume=True)
     assert "differs" not in caplog.text
     options_ = run_options(assets, None, out, "grpo", "text", True)
     options_["grpo"]["learning_rate"] = 0.5
-    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.train"):
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.storyteller.rl.train"):
         _save_config(RLConfig.from_mapping(options_), resume=True)
     assert "the config differs from the saved one in grpo" in caplog.text
 
@@ -697,7 +697,7 @@ def test_the_saved_config_and_resume_warnings(assets, tmp_path, caplog, monkeypa
 def test_quiet_runs_restore_the_progress_bars(assets, tmp_path):
     from transformers.utils import logging as hf_logging
 
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     hf_logging.enable_progress_bar()
     train(rl_run(assets, tmp_path / "run"), progress=False)
@@ -705,7 +705,7 @@ def test_quiet_runs_restore_the_progress_bars(assets, tmp_path):
 
 
 def test_summary_reports_the_last_finite_reward():
-    from storyrl.training.rl.train import RLResult
+    from storyrl.training.storyteller.rl.train import RLResult
 
     result = RLResult(algorithm="grpo", output_dir="out", steps=3, history=[{"reward": 0.1}, {"loss": 1.0}, {"reward": 0.7}])
     assert result.summary() == {"algorithm": "grpo", "output_dir": "out", "final": str(Path("out") / "final"),
@@ -716,7 +716,7 @@ def test_summary_reports_the_last_finite_reward():
 def test_only_the_main_process_rewrites_the_logs_on_train_begin(tmp_path):
     from types import SimpleNamespace
 
-    from storyrl.training.rl.trl_trainers import HistoryCallback
+    from storyrl.training.storyteller.rl.trl_trainers import HistoryCallback
 
     (tmp_path / "history.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (tmp_path / "samples.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
@@ -733,8 +733,8 @@ def test_only_the_main_process_rewrites_the_logs_on_train_begin(tmp_path):
 
 def test_a_dataset_of_exactly_one_generation_round_trains(assets, tmp_path):
     """4 prompts, rounds of 4 prompts (8 completions, 2 per prompt): one step."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     crashing_run(None)
     options_ = run_options(assets, None, tmp_path / "run", "grpo", "text", True, max_steps=1)
@@ -748,7 +748,7 @@ def test_scorable_check_by_hand():
     included) scored a story."""
     from types import SimpleNamespace
 
-    from storyrl.training.rl.trl_trainers import ScorableCheck
+    from storyrl.training.storyteller.rl.trl_trainers import ScorableCheck
 
     nan = float("nan")
 
@@ -774,7 +774,7 @@ def test_scorable_check_by_hand():
 
 
 def test_latest_complete_checkpoint_by_hand(tmp_path):
-    from storyrl.training.rl.trl_trainers import latest_complete_checkpoint
+    from storyrl.training.storyteller.rl.trl_trainers import latest_complete_checkpoint
 
     def checkpoint(step, state_step=None, state=True):
         path = tmp_path / f"checkpoint-{step}"
@@ -807,8 +807,8 @@ def test_ppo_trainer_steps_and_weights(tmp_path):
     import tiny_models
     from datasets import Dataset
 
-    from storyrl.training.rl.ppo import PPOTrainer
-    from storyrl.training.rl.ppo.config import PPOConfig
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer
+    from storyrl.training.storyteller.rl.ppo.config import PPOConfig
 
     tokenizer = tiny_models.chat_tokenizer(["a dog ran . the cat sat ."])
     data = Dataset.from_dict({"prompt": ["a dog"] * 6, "story_id": [f"s{k}" for k in range(6)]})
@@ -834,7 +834,7 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from storyrl.training.rl.trl_trainers import load_full_weights
+    from storyrl.training.storyteller.rl.trl_trainers import load_full_weights
 
     tokenizer = tiny_models.chat_tokenizer(["a dog ran ."])
     policy = tiny_models.tiny_llama(tokenizer)
@@ -851,7 +851,7 @@ def test_a_checkpoint_of_another_architecture_is_refused(tmp_path):
 
 def test_story_statistics_that_are_nan_are_not_logged():
     """distinct-n of a batch without n-grams is NaN: not sent to TRL's log."""
-    from storyrl.training.rl.trl_trainers import StoryMonitor
+    from storyrl.training.storyteller.rl.trl_trainers import StoryMonitor
 
     logged = {}
     monitor = StoryMonitor([1.0], None)
@@ -896,8 +896,8 @@ def test_ppo_logs_and_checkpoints_the_last_step_and_resumes_its_logs(assets, tmp
     checkpoint) holds each step once."""
     import shutil
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     gaps()
     options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=3,
@@ -920,13 +920,13 @@ def test_ppo_logs_and_checkpoints_the_last_step_and_resumes_its_logs(assets, tmp
 def test_ppo_an_unscorable_step_after_scored_ones_only_warns(assets, tmp_path, caplog):
     import logging
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     options_ = run_options(assets, None, tmp_path / "run", "ppo", "text", True, max_steps=2,
                            rewards=["test_safety_gaps"])
     gaps(2)  # step 2 scores nothing
-    with caplog.at_level(logging.WARNING, logger="storyrl.training.rl.ppo"):
+    with caplog.at_level(logging.WARNING, logger="storyrl.training.storyteller.rl.ppo"):
         result = train(RLConfig.from_mapping(options_), progress=False)
     assert result.steps == 2 and "step 2: no story was scorable" in caplog.text
     assert [h["reward"] is None for h in result.history] == [False, True]
@@ -962,7 +962,7 @@ def test_rl_config_keeps_what_the_user_gave_and_flows_run_keys(assets, tmp_path)
     """The user's use_cpu/bf16 win over the CPU defaults; max_steps null
     reaches TRL as -1 (its 'not set'); a zero weight next to a non-zero one
     is allowed, and run-level values are kept as checked (ints as floats)."""
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     mapping = run_options(assets, None, tmp_path / "o", "grpo", "text", False, max_steps=None)
     mapping["grpo"].update(use_cpu=False, bf16=False)

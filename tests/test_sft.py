@@ -57,7 +57,7 @@ def hand_labels(tokenizer, story: str, chat: bool) -> tuple[list[int], list[int]
 
 @pytest.mark.parametrize("model", ["chat", "plain"])
 def test_labels_mask_the_prompt_and_keep_the_story(assets, tmp_path, model):
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     trainer = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path, model)), progress=False)
     batch = trainer.data_collator([trainer.train_dataset[0]])
@@ -73,7 +73,7 @@ def test_one_step_loss_is_cross_entropy_over_story_tokens(assets, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     tokenizer = AutoTokenizer.from_pretrained(assets["chat"])
     model = AutoModelForCausalLM.from_pretrained(assets["chat"]).eval()
@@ -99,8 +99,8 @@ def test_cli_writes_a_final_model_that_rl_accepts(assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from storyrl.cli import main
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     config = tmp_path / "sft.yaml"
     config.write_text(yaml.safe_dump(options(assets, tmp_path / "out", max_steps=5)), encoding="utf-8")
@@ -121,7 +121,7 @@ def test_cli_writes_a_final_model_that_rl_accepts(assets, tmp_path):
 
 
 def test_lora_saves_adapters_and_merge_saves_full_weights(assets, tmp_path):
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     lora = {"enabled": True, "r": 4, "alpha": 8}
     adapters = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "a", lora=lora)), progress=False)
@@ -134,7 +134,7 @@ def test_lora_saves_adapters_and_merge_saves_full_weights(assets, tmp_path):
 
 @pytest.mark.parametrize("lora, message", [({"rr": 3}, "unknown key 'rr'"), ("yes", "key 'lora': expected LoraOptions")])
 def test_bad_lora_keys_are_one_line_errors(assets, tmp_path, lora, message):
-    from storyrl.training.sft import SFTRunConfig
+    from storyrl.training.storyteller.sft import SFTRunConfig
 
     with pytest.raises(ValueError, match=message):
         SFTRunConfig.from_mapping(options(assets, tmp_path, lora=lora))
@@ -152,7 +152,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(assets, tmp_pa
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
-    from storyrl.training import sft
+    from storyrl.training.storyteller import sft
 
     # Three stories, two per batch: an epoch is 2 steps, so 4 steps reshuffle the data once.
     data = tmp_path / "three.jsonl"
@@ -222,9 +222,9 @@ def test_vlm_batch_has_rl_images_and_masks_the_whole_prompt(assets, vlm, tmp_pat
     import torch
     from transformers import AutoProcessor
 
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import load_data, prompt_rows
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.data import load_data, prompt_rows
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     config = SFTRunConfig.from_mapping(options(assets, tmp_path) | {"model": vlm})
     trainer = build_trainer(config, progress=False)
@@ -254,7 +254,7 @@ def test_vlm_batch_has_rl_images_and_masks_the_whole_prompt(assets, vlm, tmp_pat
 
 
 def test_vlm_max_length_cuts_the_story_end(assets, vlm, tmp_path):
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     full = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path / "a") | {"model": vlm}),
                          progress=False)
@@ -270,8 +270,8 @@ def test_vlm_step_trains_the_language_model_and_the_vision_tower_only_when_asked
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from storyrl.training.rl.policy import detect_policy, vision_parameter_names
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.rl.policy import detect_policy, vision_parameter_names
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     before = AutoModelForImageTextToText.from_pretrained(vlm)
     result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out")
@@ -292,10 +292,10 @@ def test_vlm_lora_final_is_an_rl_policy_and_generates(assets, vlm, tmp_path):
     from click.testing import CliRunner
 
     from storyrl.cli import main
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.data import load_data
-    from storyrl.training.rl.policy import generate_stories
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.data import load_data
+    from storyrl.training.storyteller.rl.policy import generate_stories
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     lora = {"enabled": True, "r": 4, "alpha": 8, "target_modules": "all-linear"}
     result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out")
@@ -318,7 +318,7 @@ def test_vlm_lora_final_is_an_rl_policy_and_generates(assets, vlm, tmp_path):
 
 
 def test_tapm_is_refused_in_one_line(assets, tmp_path):
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     config = SFTRunConfig.from_mapping(options(assets, tmp_path, policy="tapm"))
     with pytest.raises(ValueError, match=r"a TAPM model; storyrl train sft fine-tunes causal LMs and VLMs only") as err:
@@ -349,7 +349,7 @@ def _chat_prompt(text: str) -> list[dict]:
 
 
 def test_vist_sis_rows_are_rl_prompts_and_the_storylets_in_photo_order(assets, tmp_path):
-    from storyrl.training.sft import SFTRunConfig, sft_dataset
+    from storyrl.training.storyteller.sft import SFTRunConfig, sft_dataset
 
     data = tmp_path / "train.story-in-sequence.json"
     _write_vist(data, tmp_path / "images")
@@ -379,7 +379,7 @@ def _write_vwp(path: Path, image_root: Path) -> None:
 def test_vwp_rows_plain_prompt_and_the_story_after_a_space(assets, tmp_path):
     from transformers import AutoTokenizer
 
-    from storyrl.training.sft import SFTRunConfig, sft_dataset
+    from storyrl.training.storyteller.sft import SFTRunConfig, sft_dataset
 
     data = tmp_path / "vwp.csv"
     _write_vwp(data, tmp_path / "images")
@@ -393,7 +393,7 @@ def test_vwp_rows_plain_prompt_and_the_story_after_a_space(assets, tmp_path):
 def test_vwp_rows_of_a_vlm_with_separate_images(assets, vlm, tmp_path):
     from transformers import AutoProcessor
 
-    from storyrl.training.sft import SFTRunConfig, sft_dataset
+    from storyrl.training.storyteller.sft import SFTRunConfig, sft_dataset
 
     data = tmp_path / "vwp.csv"
     _write_vwp(data, tmp_path / "images")
@@ -415,7 +415,7 @@ def test_vwp_rows_of_a_vlm_with_separate_images(assets, vlm, tmp_path):
 def _prompt_text(assets, tmp_path, **extra) -> str:
     from transformers import AutoTokenizer
 
-    from storyrl.training.sft import SFTRunConfig, sft_dataset
+    from storyrl.training.storyteller.sft import SFTRunConfig, sft_dataset
 
     config = SFTRunConfig.from_mapping(options(assets, tmp_path / "out", model="plain", **extra))
     return sft_dataset(config, "causal_lm", AutoTokenizer.from_pretrained(assets["plain"]))[0]["prompt"]
@@ -445,7 +445,7 @@ def _weights(directory) -> dict:
 def test_learning_rate_zero_keeps_the_weights(assets, tmp_path):
     import torch
 
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out", learning_rate=0.0)), progress=False)
     before, after = _weights(assets["chat"]), _weights(result.final_dir)
@@ -455,7 +455,7 @@ def test_learning_rate_zero_keeps_the_weights(assets, tmp_path):
 def test_gradient_accumulation_makes_one_step_of_the_whole_batch(assets, tmp_path):
     import torch
 
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     def run(name, **extra):
         result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / name, **extra)), progress=False)
@@ -475,7 +475,7 @@ def test_gradient_accumulation_makes_one_step_of_the_whole_batch(assets, tmp_pat
                                           ({"epochs": 1.5, "max_steps": None, "batch_size": 1}, 3),
                                           ({"epochs": 2.0, "max_steps": 3}, 3)])
 def test_epochs_unless_max_steps(assets, tmp_path, extra, steps):
-    from storyrl.training.sft import SFTRunConfig, train
+    from storyrl.training.storyteller.sft import SFTRunConfig, train
 
     result = train(SFTRunConfig.from_mapping(options(assets, tmp_path / "out", **extra)), progress=False)
     assert result.steps == steps
@@ -485,7 +485,7 @@ def test_epochs_unless_max_steps(assets, tmp_path, extra, steps):
 def test_max_length_cuts_the_story_end_and_a_prompt_that_does_not_fit_is_an_error(assets, tmp_path):
     from transformers import AutoTokenizer
 
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     ids, labels = hand_labels(AutoTokenizer.from_pretrained(assets["chat"]), STORIES[0], chat=True)
     prompt = labels.count(-100)
@@ -502,8 +502,8 @@ def test_max_length_cuts_the_story_end_and_a_prompt_that_does_not_fit_is_an_erro
 def test_shipped_config_loads_and_every_key_is_an_option(tmp_path):
     from dataclasses import fields
 
-    from storyrl.training.sft import SFTRunConfig
-    from storyrl.training.storyteller import LoraOptions
+    from storyrl.training.storyteller.sft import SFTRunConfig
+    from storyrl.training.storyteller.config import LoraOptions
 
     path = Path(__file__).parents[1] / "configs" / "training" / "sft.yaml"
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -526,7 +526,7 @@ def test_turn_end_appends_eos_only_where_the_template_closes_no_turn(tmp_path):
     that closes no assistant turn would teach the policy never to stop."""
     from tiny_models import CHAT_TEMPLATE, chat_tokenizer
 
-    from storyrl.training.storyteller import story_completion, turn_end
+    from storyrl.training.storyteller.config import story_completion, turn_end
 
     open_turns = chat_tokenizer(TEXTS)
     assert turn_end(open_turns) == "[EOS]"
@@ -546,7 +546,7 @@ def test_turn_end_appends_eos_only_where_the_template_closes_no_turn(tmp_path):
 
 @pytest.mark.parametrize("setting", ["visual", "separate"])
 def test_a_tapm_policy_with_an_image_setting_is_refused(assets, tmp_path, setting):
-    from storyrl.training.sft import SFTRunConfig
+    from storyrl.training.storyteller.sft import SFTRunConfig
 
     with pytest.raises(ValueError, match=rf"setting {setting}: a tapm policy sees no images") as info:
         SFTRunConfig.from_mapping(options(assets, tmp_path, policy="tapm", setting=setting))
@@ -557,7 +557,7 @@ def test_a_tapm_policy_with_an_image_setting_is_refused(assets, tmp_path, settin
 def test_a_record_without_a_human_story_is_a_one_line_error(assets, tmp_path, story):
     from transformers import AutoTokenizer
 
-    from storyrl.training.sft import SFTRunConfig, sft_dataset
+    from storyrl.training.storyteller.sft import SFTRunConfig, sft_dataset
 
     data = tmp_path / "data.jsonl"
     rows = [json.loads(line) for line in Path(assets["data"]).read_text().splitlines()]
@@ -573,7 +573,7 @@ def test_a_record_without_a_human_story_is_a_one_line_error(assets, tmp_path, st
 def test_a_text_batch_pads_on_the_right(assets, tmp_path, model):
     """Stories of different lengths: each row is its prompt and story from the
     first token, padding (labels -100, attention 0) after it."""
-    from storyrl.training.sft import SFTRunConfig, build_trainer
+    from storyrl.training.storyteller.sft import SFTRunConfig, build_trainer
 
     trainer = build_trainer(SFTRunConfig.from_mapping(options(assets, tmp_path, model)), progress=False)
     # TRL 1.16's collator pads completions on the right whatever the tokenizer

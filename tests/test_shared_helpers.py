@@ -31,7 +31,7 @@ def test_restricted_keeps_the_order_of_the_ids_given():
 
 
 def test_finite_or_none_turns_every_non_finite_float_into_none():
-    from storyrl.training.rl.monitor import finite_or_none
+    from storyrl.training.storyteller.rl.monitor import finite_or_none
 
     assert [finite_or_none(v) for v in (math.inf, -math.inf, math.nan)] == [None, None, None]
     assert finite_or_none(1.5) == 1.5 and finite_or_none(3) == 3 and finite_or_none("x") == "x"

@@ -60,7 +60,7 @@ def test_shipped_config_holds_only_valid_options(path):
 
 def test_the_check_finds_typos_wrong_types_and_bounds():
     from storyrl.config import load_yaml
-    from storyrl.training.reward_model import RewardModelRunConfig
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig
 
     good = load_yaml(next(p for p in CONFIGS if p.name == "reward_model.yaml"))
     assert option_problems(RewardModelRunConfig, good) == []

@@ -49,7 +49,7 @@ def _model(data, seed=0, **options):
 
 
 def _config(data, out, **options):
-    from storyrl.training.tapm import TapmTrainConfig
+    from storyrl.training.storyteller.tapm import TapmTrainConfig
 
     values = dict(output_dir=str(out), stories=[data["stories"]], features=data["features"], decoder=data["decoder"],
                   adaptation_epochs=2, epochs=4, batch_size=2, lr=3e-3, val_fraction=0.3, dropout=0.0,
@@ -61,7 +61,7 @@ def _config(data, out, **options):
 @pytest.fixture(scope="module")
 def trained(data):
     """Both stages on the tiny GPT-2, with the decoder's initial weights kept."""
-    from storyrl.training.tapm import train_tapm
+    from storyrl.training.storyteller.tapm import train_tapm
 
     model, tokenizer = _model(data)
     initial = {k: v.clone() for k, v in model.decoder.state_dict().items()}
@@ -281,7 +281,7 @@ def test_lora_trains_only_adapters_and_encoder(data, tmp_path):
     from safetensors.torch import load_file
 
     from storyrl.generators.tapm.model import TapmModel
-    from storyrl.training.tapm import train_tapm
+    from storyrl.training.storyteller.tapm import train_tapm
 
     llama_dir = tiny_models.save_tiny_decoder(tmp_path / "llama", kind="llama")
     config = _config(data, tmp_path / "run", decoder=llama_dir, lora=True, adaptation_epochs=1, epochs=1)

@@ -129,7 +129,7 @@ def test_rl_top_level_type_error_is_reported_before_importing_trl(tmp_path, key,
 def test_a_ppo_run_config_imports_no_trl(tmp_path):
     values = {**_locked_config(tmp_path, "rl", tmp_path / "run"), "algorithm": "ppo", "policy": "causal_lm",
               "ppo": {"learning_rate": 1e-5}}
-    code = ("import json, sys\nfrom storyrl.training.rl.config import RLConfig\n"
+    code = ("import json, sys\nfrom storyrl.training.storyteller.rl.config import RLConfig\n"
             "config = RLConfig.from_mapping(json.loads(sys.argv[1]))\n"
             "print(json.dumps([type(config.ppo).__name__, config.ppo.learning_rate, 'trl' in sys.modules]))")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(values)], capture_output=True, text=True,
@@ -139,8 +139,8 @@ def test_a_ppo_run_config_imports_no_trl(tmp_path):
 
 
 def test_rovist_vg_trainer_default_backbone_is_the_models():
-    # storyrl.training.rovist_vg spells the default ViT out (the model module imports torch)
+    # storyrl.training.judges.rovist_vg spells the default ViT out (the model module imports torch)
     from storyrl.models.rovist_vg import DEFAULT_VIT
-    from storyrl.training.rovist_vg import DEFAULT_VIT as TRAINER_DEFAULT, RovistVGTrainConfig
+    from storyrl.training.judges.rovist_vg import DEFAULT_VIT as TRAINER_DEFAULT, RovistVGTrainConfig
 
     assert TRAINER_DEFAULT == DEFAULT_VIT == RovistVGTrainConfig.__dataclass_fields__["vit"].default

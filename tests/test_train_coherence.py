@@ -15,7 +15,7 @@ import pytest
 import torch
 from tiny_models import albert_tokenizer, coherence_model
 
-from storyrl.training.coherence import (
+from storyrl.training.judges.coherence import (
     CoherenceTrainConfig,
     build_sop_examples,
     split_examples,
@@ -122,7 +122,7 @@ def tiny_model():
 def test_train_coherence_end_to_end(tmp_path):
     from storyrl.rewards import create_reward
     from storyrl.models.coherence import CoherenceModel, encode_pairs
-    from storyrl.training.coherence import sop_step
+    from storyrl.training.judges.coherence import sop_step
 
     stories = synthetic_stories(40)
     (tmp_path / "a.json").write_text(json.dumps(dict(list(stories.items())[:25])), encoding="utf-8")

@@ -81,7 +81,7 @@ def test_a_nan_loss_stops_the_run_although_the_logged_loss_hides_it(assets, tmp_
 
 
 def test_a_diverging_reward_model_stops_without_final(assets, tmp_path):
-    from storyrl.training.reward_model import RewardModelRunConfig, train
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, train
 
     config = RewardModelRunConfig.from_mapping({
         "model": assets["model"], "pairs": assets["pairs"], "output_dir": str(tmp_path / "run"), "max_steps": 1,
@@ -103,7 +103,7 @@ def test_a_diverging_grpo_run_stops_without_final(rl_assets, tmp_path):  # noqa:
 def test_a_nan_ppo_update_stops_before_final(rl_assets, tmp_path, monkeypatch):  # noqa: F811
     """PPO's own check reads the next step's log-probabilities; the last
     step's NaN weights are caught before they are saved."""
-    from storyrl.training.rl.ppo import math as ppo_math
+    from storyrl.training.storyteller.rl.ppo import math as ppo_math
 
     policy_loss = ppo_math.policy_loss
 

@@ -173,7 +173,7 @@ def test_coherence_trains_at_each_precision(tmp_path, monkeypatch):
 
     from storyrl.models.coherence import CoherenceModel
     from storyrl.rewards import create_reward
-    from storyrl.training import coherence
+    from storyrl.training.judges import coherence
 
     (tmp_path / "s.json").write_text(json.dumps(synthetic_stories(12)), encoding="utf-8")
     tokenizer = make_tokenizer()
@@ -199,7 +199,7 @@ def test_vrank_trains_at_each_precision(tmp_path, monkeypatch):
     from test_vrank import VOCAB_TEXTS, write_vhed
 
     from storyrl.rewards import create_reward
-    from storyrl.training import vrank
+    from storyrl.training.judges import vrank
 
     tokenizer = tiny_models.bert_wordpiece_tokenizer(VOCAB_TEXTS, tmp_path / "tok")
     csv_path = write_vhed(tmp_path / "vhed.csv", n_seq=8, pairs_per_seq=2)
@@ -231,7 +231,7 @@ def test_vrank_trains_at_each_precision(tmp_path, monkeypatch):
 def test_rovist_vg_trains_at_each_precision(tmp_path, monkeypatch, images, glove_path):
     from pathlib import Path
 
-    from storyrl.training import rovist_vg
+    from storyrl.training.judges import rovist_vg
 
     pairs = tmp_path / "pairs.csv"
     rows = [("img0.png", "[0, 0, 24, 20]", "dog"), ("img0.png", "[24, 0, 48, 40]", "red car"),
@@ -260,7 +260,7 @@ def test_cosmic_trains_at_each_precision(tmp_path, monkeypatch, raccoon_dir, tin
     from test_cosmic import _train_config
 
     from storyrl.rewards import create_reward
-    from storyrl.training import cosmic
+    from storyrl.training.judges import cosmic
 
     runs = {}
     for precision in PRECISIONS:
@@ -319,8 +319,8 @@ def tapm_model(data, seed=0):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", ["adaptation", "downstream"])
 def test_tapm_trains_at_each_precision(tmp_path, monkeypatch, tapm_data, stage):
-    from storyrl.training import tapm
-    from storyrl.training.tapm import TapmTrainConfig
+    from storyrl.training.storyteller import tapm
+    from storyrl.training.storyteller.tapm import TapmTrainConfig
 
     runs = {}
     for precision in PRECISIONS:
@@ -443,7 +443,7 @@ def trained_weights(final, lora) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_sft_trains_at_each_precision_and_bf16_final_is_a_dpo_model(story_assets, tmp_path, monkeypatch,
                                                                      trl_offline):
-    from storyrl.training import dpo, sft
+    from storyrl.training.storyteller import dpo, sft
 
     def options(out, **extra):
         return {"model": story_assets["model"], "data": story_assets["data"], "output_dir": str(out), "prompt": "P1",
@@ -475,7 +475,7 @@ def test_sft_trains_at_each_precision_and_bf16_final_is_a_dpo_model(story_assets
 
 @pytest.mark.slow
 def test_dpo_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_offline):
-    from storyrl.training import dpo
+    from storyrl.training.storyteller import dpo
 
     def config(out, precision, lora):
         return dpo.DPORunConfig.from_mapping(
@@ -499,7 +499,7 @@ def test_dpo_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_o
 @pytest.mark.slow
 def test_reward_model_trains_at_each_precision(story_assets, tmp_path, monkeypatch, trl_offline):
     from storyrl.rewards import create_reward
-    from storyrl.training import reward_model
+    from storyrl.training.storyteller import reward_model
 
     def config(out, precision, lora):
         return reward_model.RewardModelRunConfig.from_mapping(
@@ -522,9 +522,9 @@ def test_reward_model_trains_at_each_precision(story_assets, tmp_path, monkeypat
 def test_fp16_full_weights_are_refused_when_the_config_is_read(story_assets, tmp_path):
     """fp16 weights without LoRA: one line naming the key, before any model loads."""
     from storyrl.config import ConfigError
-    from storyrl.training.dpo import DPORunConfig
-    from storyrl.training.reward_model import RewardModelRunConfig
-    from storyrl.training.sft import SFTRunConfig
+    from storyrl.training.storyteller.dpo import DPORunConfig
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig
+    from storyrl.training.storyteller.sft import SFTRunConfig
 
     common = {"model": story_assets["model"], "output_dir": str(tmp_path / "o"), "precision": "fp16"}
     for cls, extra in [(SFTRunConfig, {"data": story_assets["data"]}),
@@ -546,7 +546,7 @@ def test_cosmic_encoder_precision_changes_the_embeddings_within_eps(tmp_path, mo
     from test_cosmic import _train_config
 
     from storyrl.models.runtime import release_models
-    from storyrl.training import cosmic
+    from storyrl.training.judges import cosmic
 
     runs, tables = {}, {}
     real_collate = cosmic._Collate
@@ -591,7 +591,7 @@ def test_vlm_policy_trains_at_each_precision(story_assets, tmp_path, monkeypatch
     LoRA against fp32: the TRL collator's fp32 pixels run in the dtype."""
     from transformers import AutoProcessor
 
-    from storyrl.training import dpo, sft
+    from storyrl.training.storyteller import dpo, sft
 
     texts = [*tiny_models.TAPM_TEXTS, P1.format(n="three"), P1.format(n="four"), "USER: ASSISTANT:"]
     vlm = tiny_models.save_tiny_vlm(tmp_path / "llava", "llava", texts)
@@ -626,7 +626,7 @@ def test_sft_fp16_lora_resume_restores_the_grad_scaler(story_assets, tmp_path, m
     from safetensors.torch import load_file
     from transformers import TrainerCallback
 
-    from storyrl.training import sft
+    from storyrl.training.storyteller import sft
 
     def config(out):
         return sft.SFTRunConfig.from_mapping(

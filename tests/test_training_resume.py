@@ -59,16 +59,16 @@ def storyteller(kind: str, assets, out, **extra):
                "max_steps": 1, "batch_size": 1, "learning_rate": 1e-3, "logging_steps": 1, "save_steps": 1,
                "seed": 0, **extra}
     if kind == "sft":
-        from storyrl.training.sft import SFTRunConfig, train
+        from storyrl.training.storyteller.sft import SFTRunConfig, train
         return SFTRunConfig.from_mapping(options), train
-    from storyrl.training.dpo import DPORunConfig, train
+    from storyrl.training.storyteller.dpo import DPORunConfig, train
     return DPORunConfig.from_mapping({**options, "pairs": assets["pairs"]}), train
 
 
 def rl(rl_assets, out, algorithm, **extra):
     """A 1-step GRPO (4 prompts, 2 per step: inside its first epoch) or PPO run, a checkpoint every step."""
-    from storyrl.training.rl.config import RLConfig
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.train import train
 
     section = {"save_strategy": "steps", "save_steps": 1} if algorithm == "grpo" else \
         {"per_device_train_batch_size": 2, "num_mini_batches": 1, "response_length": 6, "num_ppo_epochs": 1,
@@ -300,7 +300,7 @@ def test_a_finished_reward_model_resumed_changes_nothing(assets, tmp_path):
     """The reward model trains through its own train() (held-out pairs,
     pair accuracy): resumed when finished it is a no-op too; killed after
     its last checkpoint, final/ is written without a step more."""
-    from storyrl.training.reward_model import RewardModelRunConfig, train
+    from storyrl.training.storyteller.reward_model import RewardModelRunConfig, train
 
     config = RewardModelRunConfig.from_mapping({
         "model": assets["model"], "pairs": assets["pairs"], "output_dir": str(tmp_path / "run"), "max_steps": 1,

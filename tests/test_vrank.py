@@ -21,7 +21,7 @@ from storyrl.judgements import JudgementDataError
 from storyrl.judgements.vhed import VHED_COLUMNS
 from storyrl.rewards import create_reward, load_reward_config
 from storyrl.rewards.base import RewardError
-from storyrl.training.vrank import (
+from storyrl.training.judges.vrank import (
     VrankTrainConfig,
     pair_examples,
     split_by_image_sequence,

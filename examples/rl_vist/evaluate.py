@@ -28,7 +28,7 @@ temperature, no top-k/top-p, the same random seed for every policy.
   whose nouns they are. Not a reward: it shows whether RL changes how much
   the story follows what the policy was shown.
 * distinct-n: distinct n-grams / n-grams pooled over all of a policy's
-  stories (``storyrl.training.rl.monitor.distinct_n``, lower-cased words);
+  stories (``storyrl.training.storyteller.rl.monitor.distinct_n``, lower-cased words);
   sentences: mean sentence count (``storyrl.text``); one-sentence: fraction of
   stories with at most one sentence (which d_HM cannot score).
 
@@ -167,7 +167,7 @@ def shuffled(stories: Sequence[str], seed: int) -> list[str]:
 
 def story_figures(stories: Sequence[str]) -> dict[str, float]:
     from storyrl.text import tokenize_story
-    from storyrl.training.rl.monitor import distinct_n
+    from storyrl.training.storyteller.rl.monitor import distinct_n
 
     words, sentences = [], []
     for story in stories:

@@ -41,10 +41,10 @@ def _causal_lm_only(kind: str) -> None:
 
 
 def install_hook():
-    """Wrap ``storyrl.training.rl.data.build_dataset`` and ``prompt_rows`` so
+    """Wrap ``storyrl.training.storyteller.rl.data.build_dataset`` and ``prompt_rows`` so
     that each row's prompt gets its record's nouns. Returns a function that
     puts the originals back."""
-    from storyrl.training.rl import data
+    from storyrl.training.storyteller.rl import data
 
     original_dataset, original_rows = data.build_dataset, data.prompt_rows
     if getattr(original_dataset, "_rl_vist", False):

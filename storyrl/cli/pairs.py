@@ -13,7 +13,7 @@ from storyrl.cli.common import _DIR, _FILE, _check_outputs, _fail, _json, _metri
 from storyrl.cli.config_options import GeneratedOptionsCommand, reward_options
 from storyrl.cli.reward_options import EPILOG, attach_context_files, context_file_options, input_paths, make_rewards
 from storyrl.datasets import DATA_FORMATS
-from storyrl.training.storyteller import SETTINGS
+from storyrl.training.storyteller.config import SETTINGS
 
 # Sampling options: only with --policy (None = not given; defaults below).
 SAMPLING_DEFAULTS = {"k": 4, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 128, "seed": 0,
@@ -197,7 +197,7 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
     _check_outputs({"--out": out, "samples file": sidecar}, inputs,
                    "keep" if overwrite or resume else "refuse")
 
-    from storyrl.training.storyteller import StorytellerConfig
+    from storyrl.training.storyteller.config import StorytellerConfig
 
     image_root = reward_values.get("image_root")
     precision = reward_values.get("precision") or "auto"
@@ -225,8 +225,8 @@ def _pairs_from_policy(policy, names, configs, min_margin, prompt, out, overwrit
                "precision": precision}
 
     (reward,) = make_rewards(names, configs, reward_values)
-    from storyrl.training.rl.data import load_data, prompt_rows
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.data import load_data, prompt_rows
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     try:
         records = load_data(config)
@@ -301,7 +301,7 @@ def _image_loader(config, kind, processing_class):
     (a long data file's images would not fit in memory); None otherwise."""
     if kind != "vlm":
         return None
-    from storyrl.training.rl.data import _Prompter
+    from storyrl.training.storyteller.rl.data import _Prompter
 
     prompter = _Prompter(config, kind, processing_class)
     return lambda row: {**row, "images": prompter.images(row["story_id"], row["story_images"])}

@@ -8,11 +8,11 @@ metric suite and d_HM against the human stories (issue 11 part 4).
 
 1. **Training** (``train/``): the base RL config (``train``) with the
    variant's reward options (``rewards``, ``reward_weights``, ...) through
-   :func:`storyrl.training.rl.train.train`; the policy lands in
+   :func:`storyrl.training.storyteller.rl.train.train`; the policy lands in
    ``train/final/``.
 2. **Generation**: greedy stories of the trained policy for the held-out
    sequences (``eval.data``) through
-   :func:`storyrl.training.rl.policy.generate_stories`, written as
+   :func:`storyrl.training.storyteller.rl.policy.generate_stories`, written as
    ``storyrl generate`` writes them (``stories.json`` and its sidecar).
 3. **Scoring** with every metric (``scores.csv``); the human stories (the
    records' reference, else their story) are scored once for all variants
@@ -34,7 +34,7 @@ it ran is an error, not a silent reuse; ``overwrite=True`` redoes it instead
 (the variant's directory is replaced; changed metrics rescore every table).
 
 One process: the variants train one after another, each with what
-:func:`~storyrl.training.rl.train.train` does on one device. To train on
+:func:`~storyrl.training.storyteller.rl.train.train` does on one device. To train on
 several GPUs, run ``accelerate launch -m storyrl train rl`` per variant and
 evaluate the resulting story files with ``stories``.
 """
@@ -202,7 +202,7 @@ class PolicyGeneratorConfig(GeneratorConfig):
 
 class PolicyGenerator(Generator):
     """Greedy stories of an RL-trained policy
-    (:func:`storyrl.training.rl.policy.generate_stories`) as a generator, so
+    (:func:`storyrl.training.storyteller.rl.policy.generate_stories`) as a generator, so
     that :func:`storyrl.generators.runs.generate_to_file` writes, resumes and
     checks its story file and sidecar as ``storyrl generate``'s. Set
     ``rl_config`` (the policy's RLConfig) before generating."""
@@ -212,7 +212,7 @@ class PolicyGenerator(Generator):
     rl_config: Any = None
 
     def generate(self, records: Sequence[StoryRecord], progress: Any = None) -> Generations:
-        from storyrl.training.rl.policy import generate_stories
+        from storyrl.training.storyteller.rl.policy import generate_stories
 
         records = list(records)
         stories = generate_stories(self.rl_config, self.args.policy, records,
@@ -232,7 +232,7 @@ class PolicyGenerator(Generator):
 
 def _train(variant: Variant, state: dict, progress: bool) -> Any:
     """Train the variant unless done; returns its RLConfig."""
-    from storyrl.training.rl.train import train
+    from storyrl.training.storyteller.rl.train import train
 
     config = _rl_config(variant.train_options, variant.train_dir)
     if state.get("trained") and (variant.train_dir / "final").is_dir():

@@ -165,6 +165,6 @@ def _base_train(config: AblationConfig) -> dict[str, Any]:
 
 def _rl_config(options: dict[str, Any], train_dir: Path) -> Any:
     """The variant's RLConfig (options checked; nothing loads)."""
-    from storyrl.training.rl.config import RLConfig
+    from storyrl.training.storyteller.rl.config import RLConfig
 
     return RLConfig.from_mapping({**options, "output_dir": str(train_dir)})

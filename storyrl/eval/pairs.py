@@ -28,7 +28,7 @@ Two routes need no policy sampling:
 
 * From a policy (:func:`sample_stories`, :func:`policy_pairs`): k stories
   sampled per image sequence from a policy, prompted exactly as ``storyrl
-  train rl`` prompts it (:func:`storyrl.training.rl.data.prompt_rows`), are
+  train rl`` prompts it (:func:`storyrl.training.storyteller.rl.data.prompt_rows`), are
   ranked the same way (best vs each worse), each scored with its sequence's
   context (``reference`` = the human story, so ``dhm`` measures the distance
   to it; the images). The row's ``prompt`` is the prompt the policy was
@@ -313,7 +313,7 @@ def sample_stories(policy: Any, rows: Sequence[dict], k: int, *, store: Any = No
     import torch
 
     from storyrl.console import progress
-    from storyrl.training.rl.policy import _generate
+    from storyrl.training.storyteller.rl.policy import _generate
 
     done = dict(done or {})
     todo = [row for row in rows if row["story_id"] not in done]

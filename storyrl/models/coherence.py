@@ -4,7 +4,7 @@ output. It reads a pair ``[CLS] first [SEP] sentence [SEP]`` (token types 0
 for ``[CLS] first [SEP]``, 1 for ``sentence [SEP]``; :func:`encode_pairs`)
 and class 1 of its output means "``sentence`` follows ``first``". Which pairs
 a story gives and how their scores make the story's are the metric's, in
-:mod:`storyrl.rewards.coherence`; training is :mod:`storyrl.training.coherence`.
+:mod:`storyrl.rewards.coherence`; training is :mod:`storyrl.training.judges.coherence`.
 
 Inputs longer than ``max_length`` tokens keep the whole sentence and the END
 of the first segment (the context nearest the sentence); a sentence that alone

@@ -5,7 +5,7 @@ Model (RoViST paper §3.1, GROOViST paper Appendix C): an image encoder (a timm
 ViT, ``vit_base_patch16_224`` as the authors, then ``Linear(768, 1024)`` and
 tanh) and a text encoder (the mean 300-d GloVe vector of the noun's words,
 :mod:`storyrl.models.glove`, then ``Linear(300, 1024)`` and tanh). Train it
-with :mod:`storyrl.training.rovist_vg`; :meth:`RovistVGModel.save_pretrained`
+with :mod:`storyrl.training.judges.rovist_vg`; :meth:`RovistVGModel.save_pretrained`
 writes the directory the reward's ``model`` option names. How a story's score
 follows from the embeddings is the metric's, in :mod:`storyrl.rewards.rovist_vg`.
 

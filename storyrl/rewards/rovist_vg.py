@@ -4,7 +4,7 @@ regions of its image sequence, with a dedicated contrastively trained model.
 The model (a timm ViT image encoder and a GloVe text encoder, projected to a
 joint space) and its shared embedder are in :mod:`storyrl.models.rovist_vg`,
 the GloVe reader in :mod:`storyrl.models.glove`; training is
-:mod:`storyrl.training.rovist_vg`. This module is the metric and its reward.
+:mod:`storyrl.training.judges.rovist_vg`. This module is the metric and its reward.
 
 Score of a story::
 

@@ -1,7 +1,11 @@
-"""Training: the learned metrics' models, TAPM-style storytellers, and the
-storyteller's path through TRL: supervised fine-tuning (:mod:`~storyrl.training.sft`),
-RL (:mod:`storyrl.training.rl`), a learned story reward model
-(:mod:`~storyrl.training.reward_model`) and DPO (:mod:`~storyrl.training.dpo`).
+"""Training: the shared machinery of every trainer (the epoch loop, checkpoints,
+run directories, guards, accelerators, model cards) and the :data:`TRAINERS`
+registry. The trainers live in two folders, one per audience:
+:mod:`storyrl.training.judges` (the learned metrics' models: RoViST-C, Vrank,
+COSMiC, RoViST-VG) and :mod:`storyrl.training.storyteller` (the storyteller's
+path: SFT, pairs and a reward model, DPO, RL, and TAPM). Neither imports the
+other, and the shared modules import neither (the registry names them by
+strings).
 
 Every trainer is a :class:`Trainer` -- a :class:`storyrl.config.Config`
 subclass and a ``train(config, resume=False, progress=True)`` function --
@@ -24,7 +28,7 @@ __all__ = ["TRAINERS", "TrainResult", "Trainer"]
 class TrainResult(Protocol):
     """What every train function returns: ``summary()`` is the JSON line
     ``storyrl train <name>`` prints (:class:`storyrl.training.loop.FitResult`,
-    :class:`storyrl.training.rl.train.RLResult`)."""
+    :class:`storyrl.training.storyteller.rl.train.RLResult`)."""
 
     def summary(self) -> dict[str, Any]: ...
 
@@ -57,21 +61,21 @@ class Trainer:
 
 
 TRAINERS: Registry[Trainer] = Registry("trainer")
-TRAINERS.add("coherence", "storyrl.training.coherence:TRAINER",
+TRAINERS.add("coherence", "storyrl.training.judges.coherence:TRAINER",
              "RoViST-C: the ALBERT sentence-order model of the coherence reward.")
-TRAINERS.add("rovist_vg", "storyrl.training.rovist_vg:TRAINER",
+TRAINERS.add("rovist_vg", "storyrl.training.judges.rovist_vg:TRAINER",
              "RoViST-VG: the ViT/GloVe region-noun model of the rovist_vg reward.", aliases=("rovist-vg",))
-TRAINERS.add("vrank", "storyrl.training.vrank:TRAINER",
+TRAINERS.add("vrank", "storyrl.training.judges.vrank:TRAINER",
              "Vrank: the pairwise story ranker of the vrank reward, on VHED-format CSVs.")
-TRAINERS.add("cosmic", "storyrl.training.cosmic:TRAINER",
+TRAINERS.add("cosmic", "storyrl.training.judges.cosmic:TRAINER",
              "COSMiC Vanilla/Vanilla+: the coherence-aware caption metric's head on RaCCoon-format ratings.")
-TRAINERS.add("tapm", "storyrl.training.tapm:TRAINER",
+TRAINERS.add("tapm", "storyrl.training.storyteller.tapm:TRAINER",
              "TAPM-style storyteller: adaptation stage (decoder frozen), then downstream cross-entropy.")
-TRAINERS.add("rl", "storyrl.training.rl.train:TRAINER",
+TRAINERS.add("rl", "storyrl.training.storyteller.rl.train:TRAINER",
              "RL fine-tuning of a storyteller (causal LM, VLM or TAPM) against storyrl rewards: ppo, grpo or rloo.")
-TRAINERS.add("sft", "storyrl.training.sft:TRAINER",
+TRAINERS.add("sft", "storyrl.training.storyteller.sft:TRAINER",
              "Supervised fine-tuning of a storyteller (causal LM or VLM) on human stories (TRL SFTTrainer), RL's prompt.")
-TRAINERS.add("dpo", "storyrl.training.dpo:TRAINER",
+TRAINERS.add("dpo", "storyrl.training.storyteller.dpo:TRAINER",
              "DPO of a storyteller (causal LM or VLM) on story preference pairs (TRL DPOTrainer) with RL's monitors.")
-TRAINERS.add("reward_model", "storyrl.training.reward_model:TRAINER",
+TRAINERS.add("reward_model", "storyrl.training.storyteller.reward_model:TRAINER",
              "Story reward model (TRL RewardTrainer, Bradley-Terry) on storyrl pairs; the reward_model reward.")

@@ -10,7 +10,7 @@ resume restores. The directory layout is described in :mod:`storyrl.training.loo
 Writing a checkpoint (:func:`write_checkpoint`) and resuming from one
 (:func:`load_checkpoint`, :func:`scheduler_state`) are shared with the PPO
 trainer, which keeps ``checkpoint-<step>/`` directories instead of ``last/``
-(:mod:`storyrl.training.rl.ppo.checkpoints`).
+(:mod:`storyrl.training.storyteller.rl.ppo.checkpoints`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Architecture (:class:`TapmModel`, a transformers ``PreTrainedModel`` with
 * Decoders: GPT-2 small (default), LLaMA-2-7B in 4 bit (bitsandbytes NF4) with
   LoRA r=8, α=8 on q/k/v/o_proj (peft), any causal LM (AutoModelForCausalLM).
 
-Training (:mod:`storyrl.training.tapm`): adaptation (decoder frozen; margin-1
+Training (:mod:`storyrl.training.storyteller.tapm`): adaptation (decoder frozen; margin-1
 hinge between the L2-normalised decoder state at each sentence's start token,
 detached, and the image's pooled visual encoding, against the story's other
 images, both directions; plus the same hinge between each direction-projected

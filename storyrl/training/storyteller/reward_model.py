@@ -24,7 +24,7 @@ configs/training/reward_model.yaml``).
   (chosen scored strictly above rejected) is in the summary and the last
   line of ``history.jsonl``.
 * ``precision`` is the weights' dtype and sets TRL's autocast
-  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  (:meth:`~storyrl.training.storyteller.config.TrlRunOptions.trl_arguments`): bf16
   weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
   adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
   without LoRA is refused when the config is read (no fp32 master copy).
@@ -46,7 +46,7 @@ from storyrl.config import option
 from storyrl.models.runtime import PRECISIONS
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import LoraOptions, RunResult, TrlRunOptions, match_precision
+from storyrl.training.storyteller.config import LoraOptions, RunResult, TrlRunOptions, match_precision
 
 __all__ = ["HELDOUT_FILE", "TRAINER", "RewardModelResult", "RewardModelRunConfig", "build_trainer", "read_pairs",
            "split_pairs", "train"]
@@ -88,7 +88,7 @@ class RewardModelRunConfig(TrlRunOptions):
         problems = super()._problems()
         if not Path(self.pairs).is_file():
             problems.append(f"pairs: no such file {self.pairs}")
-        from storyrl.training.rl.policy import detect_policy
+        from storyrl.training.storyteller.rl.policy import detect_policy
 
         if detect_policy(self.model, self.revision, read_hub=False) in ("vlm", "tapm"):
             problems.append(_refusal(self.model))
@@ -189,7 +189,7 @@ def load_backbone(config: RewardModelRunConfig):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, set_seed
 
     from storyrl.models.pretrained import load_pretrained
-    from storyrl.training.rl.policy import detect_policy, training_dtype
+    from storyrl.training.storyteller.rl.policy import detect_policy, training_dtype
 
     if detect_policy(config.model, config.revision) in ("vlm", "tapm"):
         raise ValueError(_refusal(config.model))
@@ -208,7 +208,7 @@ def build_trainer(config: RewardModelRunConfig, progress: bool = True, callbacks
     import torch
     from trl import RewardTrainer
 
-    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
+    from storyrl.training.storyteller.rl.trl_trainers import HistoryCallback, quiet_progress
 
     from storyrl.rewards.reward_model import prompt_text
 
@@ -259,7 +259,7 @@ def train(config: RewardModelRunConfig, resume: bool = False, progress: bool = T
     """Train, then save the model, its tokenizer and how to score in ``OUTPUT_DIR/final``."""
     from storyrl.rewards.reward_model import METADATA_FILE
     from storyrl.training.guards import finished_history
-    from storyrl.training.rl.trl_guards import resume_checkpoint, run_training
+    from storyrl.training.storyteller.rl.trl_guards import resume_checkpoint, run_training
 
     checkpoint = resume_checkpoint(config.output_dir, resume, config.max_steps)
     history = finished_history(config, CONFIG_FILE) if resume else None

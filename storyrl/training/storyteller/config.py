@@ -103,7 +103,7 @@ class StorytellerConfig(Config):
         it cannot be told)."""
         if self.policy != "auto":
             return self.policy
-        from storyrl.training.rl.policy import detect_policy
+        from storyrl.training.storyteller.rl.policy import detect_policy
 
         return detect_policy(self.model, self.revision, read_hub=read_hub)
 
@@ -145,7 +145,7 @@ class TrlRunOptions(Config):
     report_to: str | list[str] = option("none", "Trackers: tensorboard, wandb, ... (a name or a list), all or none.")
 
     def _problems(self) -> list[str]:
-        from storyrl.training.rl.ppo.config import tracker_problems
+        from storyrl.training.storyteller.rl.ppo.config import tracker_problems
 
         problems = tracker_problems(self.report_to)
         lora = getattr(self, "lora", None)
@@ -164,7 +164,7 @@ class TrlRunOptions(Config):
         are what trains), on the CPU as on a GPU (:func:`match_precision`)."""
         import torch
 
-        from storyrl.training.rl.policy import training_dtype
+        from storyrl.training.storyteller.rl.policy import training_dtype
 
         dtype = training_dtype(getattr(self, "precision", "fp32"))
         return dict(

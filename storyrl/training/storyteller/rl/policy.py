@@ -287,7 +287,7 @@ def generate_stories(config, policy_dir: str, records: Sequence[StoryRecord], ba
     import torch
 
     from storyrl.models.runtime import resolve_device
-    from storyrl.training.rl.data import prompt_rows
+    from storyrl.training.storyteller.rl.data import prompt_rows
 
     policy = load_policy(config, kind, path=policy_dir)  # weights, or adapters merged into their base
     model = policy.model
@@ -310,7 +310,7 @@ def generate_stories(config, policy_dir: str, records: Sequence[StoryRecord], ba
 
 
 def _one(config, policy: Policy, record: StoryRecord, kind: str, max_new_tokens: int) -> str | None:
-    from storyrl.training.rl.data import prompt_rows
+    from storyrl.training.storyteller.rl.data import prompt_rows
 
     try:
         return _generate(policy, prompt_rows(config, [record], kind, policy.processing_class), max_new_tokens)[0]

@@ -3,7 +3,7 @@
 One step of :class:`PPOTrainer`:
 
 1. rollout: ``per_device_train_batch_size`` prompts per process, sampled
-   from the policy (:mod:`storyrl.training.rl.ppo.rollout`), each response cut
+   from the policy (:mod:`storyrl.training.storyteller.rl.ppo.rollout`), each response cut
    after its first stop token;
 2. one no-grad pass for the policy's log-probabilities and values and one
    for the frozen reference's log-probabilities;
@@ -20,7 +20,7 @@ One step of :class:`PPOTrainer`:
    ``use_score_norm``) and clipping (``score_clip``);
 5. per-token rewards ``−kl_coef·KL`` (k1 or k3) with the score at the last
    real token, optional reward whitening, GAE (γ, λ), returns = advantages +
-   values, whitened advantages (:mod:`storyrl.training.rl.ppo.math`);
+   values, whitened advantages (:mod:`storyrl.training.storyteller.rl.ppo.math`);
 6. ``num_ppo_epochs`` passes over shuffled minibatches of stories, each
    accumulated over ``gradient_accumulation_steps`` micro-batches: clipped
    policy loss + ``vf_coef`` × clipped value loss, gradient clipping, AdamW,
@@ -59,7 +59,7 @@ Differences from TRL's removed PPO trainers (v0.11 ``PPOTrainer`` and
   on the token after, the first padding position, and trained a value there);
   the approximate KL and clip fractions are means over real tokens only;
 * ``per_device_train_batch_size`` counts prompts per rollout (TRL's was the
-  micro-batch; see :mod:`storyrl.training.rl.ppo.config`);
+  micro-batch; see :mod:`storyrl.training.storyteller.rl.ppo.config`);
 * v0.11's adaptive KL controller, score scaling/clipping and early stopping
   are back, together with the later trainer's k1/k3 estimators, stop-token
   truncation and missing-EOS penalty;
@@ -72,11 +72,11 @@ Output directory: ``checkpoint-<step>/`` (accelerate's state +
 step), ``samples.jsonl`` (its sample stories with their rewards; both files as
 GRPO/RLOO write them) and the trackers' files.
 
-Modules: options :mod:`~storyrl.training.rl.ppo.config`, arithmetic
-:mod:`~storyrl.training.rl.ppo.math`, sampling and forwards per policy kind
-:mod:`~storyrl.training.rl.ppo.rollout`, critic :mod:`~storyrl.training.rl.ppo.value`,
-reward calls :mod:`~storyrl.training.rl.ppo.rewards`, checkpoints
-:mod:`~storyrl.training.rl.ppo.checkpoints`; this one holds the loop.
+Modules: options :mod:`~storyrl.training.storyteller.rl.ppo.config`, arithmetic
+:mod:`~storyrl.training.storyteller.rl.ppo.math`, sampling and forwards per policy kind
+:mod:`~storyrl.training.storyteller.rl.ppo.rollout`, critic :mod:`~storyrl.training.storyteller.rl.ppo.value`,
+reward calls :mod:`~storyrl.training.storyteller.rl.ppo.rewards`, checkpoints
+:mod:`~storyrl.training.storyteller.rl.ppo.checkpoints`; this one holds the loop.
 """
 
 from __future__ import annotations
@@ -98,18 +98,18 @@ import torch
 from storyrl.training.accelerators import make_accelerator
 from storyrl.training.checkpoints import load_checkpoint
 from storyrl.training.guards import check_finite_weights, check_named_checkpoint
-from storyrl.training.rl import monitor
-from storyrl.training.rl.ppo import math as ppo_math
-from storyrl.training.rl.ppo.checkpoints import (
+from storyrl.training.storyteller.rl import monitor
+from storyrl.training.storyteller.rl.ppo import math as ppo_math
+from storyrl.training.storyteller.rl.ppo.checkpoints import (
     RESUME_MAY_CHANGE,
     TRAINER_STATE,
     find_latest_checkpoint,
     save_checkpoint,
 )
-from storyrl.training.rl.ppo.config import PPOConfig
-from storyrl.training.rl.ppo.rewards import call_rewards, combine_scores, reward_name
-from storyrl.training.rl.ppo.rollout import Rollout, is_tapm_policy, make_adapter, response_logits
-from storyrl.training.rl.ppo.value import (
+from storyrl.training.storyteller.rl.ppo.config import PPOConfig
+from storyrl.training.storyteller.rl.ppo.rewards import call_rewards, combine_scores, reward_name
+from storyrl.training.storyteller.rl.ppo.rollout import Rollout, is_tapm_policy, make_adapter, response_logits
+from storyrl.training.storyteller.rl.ppo.value import (
     PolicyAndValue,
     ValueHead,
     check_value_model,

@@ -1,5 +1,5 @@
 """The resume and divergence guards of storyrl's TRL runs (SFT, DPO, the
-reward model, GRPO, RLOO), used by :mod:`storyrl.training.rl.trl_trainers`:
+reward model, GRPO, RLOO), used by :mod:`storyrl.training.storyteller.rl.trl_trainers`:
 
 * :func:`resume_checkpoint` / :func:`latest_complete_checkpoint`: the
   ``checkpoint-<step>/`` a ``--resume`` continues from; an incomplete one

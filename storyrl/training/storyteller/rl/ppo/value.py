@@ -121,7 +121,7 @@ class PolicyAndValue(nn.Module):
         return False
 
     def forward(self, inputs: dict[str, Any], context_length: int, response_length: int):
-        from storyrl.training.rl.ppo.rollout import response_logits
+        from storyrl.training.storyteller.rl.ppo.rollout import response_logits
 
         out = self.adapter.forward(self.policy, inputs, output_hidden_states=self.value_head is not None,
                                    response_length=response_length)

@@ -2,13 +2,13 @@
 ``SFTTrainer`` (``storyrl train sft --config configs/training/sft.yaml``).
 
 * The prompt of each image sequence is the one RL trains on and ``generate``
-  sends (:func:`storyrl.training.rl.data.build_dataset`: the generators'
+  sends (:func:`storyrl.training.storyteller.rl.data.build_dataset`: the generators'
   prompt template, a conversation when the tokenizer has a chat template);
   the completion is the human story (a record's ``reference``, else its
   ``story``). TRL's prompt/completion format with ``completion_only_loss``
   puts the loss on the story's tokens only.
-* The policy loads as RL loads it (:func:`storyrl.training.rl.policy.load_policy`,
-  LoRA through :func:`~storyrl.training.rl.policy.lora_config`), so
+* The policy loads as RL loads it (:func:`storyrl.training.storyteller.rl.policy.load_policy`,
+  LoRA through :func:`~storyrl.training.storyteller.rl.policy.lora_config`), so
   ``OUTPUT_DIR/final`` (full weights, merged weights with ``lora.merge``, or
   adapters, with the tokenizer) is a ``storyrl train rl --model``.
 * Causal LMs and image-text-to-text VLMs (LLaVA, LLaVA-NeXT, ...). A VLM's
@@ -20,7 +20,7 @@
   story, so it must leave room for the prompt's image tokens. TAPM is
   refused (``storyrl train tapm`` trains it).
 * ``precision`` is the weights' dtype and sets TRL's autocast
-  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  (:meth:`~storyrl.training.storyteller.config.TrlRunOptions.trl_arguments`): bf16
   weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
   adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
   without LoRA is refused when the config is read (no fp32 master copy).
@@ -37,7 +37,7 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
+from storyrl.training.storyteller.config import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
                                          story_completion, turn_end)
 
 __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset", "train"]
@@ -46,8 +46,8 @@ __all__ = ["TRAINER", "SFTResult", "SFTRunConfig", "build_trainer", "sft_dataset
 @dataclass(kw_only=True)
 class SFTRunConfig(TrlRunOptions, StorytellerConfig):
     """Settings of the sft trainer (module docs): the run keys of
-    :class:`~storyrl.training.storyteller.TrlRunOptions` and the policy,
-    data and prompt keys of :class:`~storyrl.training.storyteller.StorytellerConfig`,
+    :class:`~storyrl.training.storyteller.config.TrlRunOptions` and the policy,
+    data and prompt keys of :class:`~storyrl.training.storyteller.config.StorytellerConfig`,
     as ``storyrl train rl`` reads them."""
 
     _field_word = "key"
@@ -68,7 +68,7 @@ def sft_dataset(config: SFTRunConfig, kind: str, processing_class: Any):
     """Prompt/completion rows: RL's prompt of each sequence and its human
     story. A VLM's rows keep RL's ``images`` (made when a row is read) and
     the ``story_id``/``story_images`` columns that make them."""
-    from storyrl.training.rl.data import build_dataset
+    from storyrl.training.storyteller.rl.data import build_dataset
 
     prompts = build_dataset(config, kind, processing_class)
     # RL's image transform renders sequence images when a row is read: map the
@@ -106,8 +106,8 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
 
     from trl import SFTTrainer
 
-    from storyrl.training.rl.policy import load_policy, lora_config
-    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
+    from storyrl.training.storyteller.rl.policy import load_policy, lora_config
+    from storyrl.training.storyteller.rl.trl_trainers import HistoryCallback, quiet_progress
 
     kind = config.policy_kind()
     if kind == "tapm":
@@ -135,7 +135,7 @@ def build_trainer(config: SFTRunConfig, progress: bool = True, callbacks: list |
 @guarded
 def train(config: SFTRunConfig, resume: bool = False, progress: bool = True) -> SFTResult:
     """Fine-tune, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    from storyrl.training.rl.trl_trainers import train_to_final
+    from storyrl.training.storyteller.rl.trl_trainers import train_to_final
 
     trainer = train_to_final(config, build_trainer, resume, progress, "sft_config.yaml")
     return SFTResult(output_dir=config.output_dir, steps=trainer.state.global_step,

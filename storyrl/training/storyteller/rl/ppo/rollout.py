@@ -16,11 +16,11 @@ it is run again on them for log-probabilities and values.
   ``TapmModel.generate_sentences`` does (features from a
   :class:`~storyrl.generators.tapm.features.FeatureStore`, keyed by the
   row's ``image_ids``), joined into the story. Each sentence is its own
-  sequence; see :mod:`storyrl.training.rl.ppo` for how the story's score is
+  sequence; see :mod:`storyrl.training.storyteller.rl.ppo` for how the story's score is
   credited to them.
 
 Every adapter samples with the policy's LoRA adapters merged
-(:func:`storyrl.training.rl.sampling.merged_adapters`, unless
+(:func:`storyrl.training.storyteller.rl.sampling.merged_adapters`, unless
 ``merge_adapters_for_sampling`` is off) and returns a :class:`Rollout`:
 queries left-padded, responses right-padded and cut after the first stop
 token, ``story`` mapping each sequence to its row. A minibatch is a set of
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from storyrl.training.rl.sampling import merged_adapters
+from storyrl.training.storyteller.rl.sampling import merged_adapters
 
 __all__ = [
     "CausalLMAdapter",

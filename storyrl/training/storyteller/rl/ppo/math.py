@@ -3,7 +3,7 @@
 Shapes: ``(N, T)`` tensors hold one row per response sequence and one column
 per response token; ``mask`` (bool or 0/1, same shape) marks the real tokens
 that count. Responses are right-padded, so a row's real tokens are a prefix
-of it. Nothing here reads a model or a config: :mod:`storyrl.training.rl.ppo`
+of it. Nothing here reads a model or a config: :mod:`storyrl.training.storyteller.rl.ppo`
 wires these together, and ``tests/test_ppo_math.py`` checks each against hand
 computations.
 

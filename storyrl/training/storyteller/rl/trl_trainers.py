@@ -4,7 +4,7 @@ monitor.
 * The rewards are TRL reward functions as they are (``reward_weights`` and,
   for GRPO, ``multi_objective_aggregation`` come from the config); each is
   wrapped by :class:`StoryMonitor` so that every step also logs the story
-  statistics of :func:`storyrl.training.rl.monitor.story_stats` through
+  statistics of :func:`storyrl.training.storyteller.rl.monitor.story_stats` through
   TRL's ``log_metric`` (``story/...`` next to ``rewards/<name>/mean``, ``kl``,
   ...) and appends a few sample stories, with each reward's value and the
   weighted total, to ``OUTPUT_DIR/samples.jsonl``. The wrappers keep each
@@ -23,7 +23,7 @@ monitor.
   processor: the LoRA adapters, or merged weights with ``lora.merge``.
 * Sampling with transformers runs on the LoRA adapters merged into a copy of
   their weights (``merge_adapters_for_sampling``, default on;
-  :mod:`storyrl.training.rl.sampling`): peft's unmerged layers made TRL's
+  :mod:`storyrl.training.storyteller.rl.sampling`): peft's unmerged layers made TRL's
   generation phase ~1.3x ``generate`` on merged weights.
 * :class:`RunGuard` (every storyrl TRL run has it: :class:`HistoryCallback`
   is one) stops a run whose loss or trainable weights turn NaN/inf before
@@ -32,7 +32,7 @@ monitor.
   run ended inside an epoch). ``--resume`` on a run that finished with the
   same config is a no-op (:func:`~storyrl.training.guards.finished_history`).
 
-TAPM policies are refused (see :class:`~storyrl.training.rl.config.RLConfig`):
+TAPM policies are refused (see :class:`~storyrl.training.storyteller.rl.config.RLConfig`):
 both TRL trainers patch the forward of a ``PreTrainedModel`` driven by
 ``input_ids`` alone.
 """
@@ -50,8 +50,8 @@ from transformers import TrainerCallback
 
 from storyrl.console import progress as progress_bar
 from storyrl.console import verbose
-from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
-from storyrl.training.rl.trl_guards import (  # noqa: F401  (re-exported: where trainers import them from)
+from storyrl.training.storyteller.rl.monitor import finite_or_none, sample_stories, story_stats
+from storyrl.training.storyteller.rl.trl_guards import (  # noqa: F401  (re-exported: where trainers import them from)
     RunGuard,
     TrainingDone,
     latest_complete_checkpoint,
@@ -246,7 +246,7 @@ def train_trl(config, policy, dataset, rewards: Sequence[Any], resume: bool = Fa
     (:class:`~storyrl.training.runs.RunFailedError`) without ``final/``."""
     from trl import GRPOTrainer, RLOOTrainer
 
-    from storyrl.training.rl.policy import lora_config, trl_reference
+    from storyrl.training.storyteller.rl.policy import lora_config, trl_reference
     from storyrl.training.runs import RunFailedError
 
     if policy.kind == "tapm":
@@ -333,12 +333,12 @@ class ScorableCheck(TrainerCallback):
 
 def _merged_sampling(trainer_class: type, enabled: bool) -> type:
     """``trainer_class`` whose transformers ``generate`` samples on merged
-    LoRA weights (:func:`storyrl.training.rl.sampling.merged_adapters`;
+    LoRA weights (:func:`storyrl.training.storyteller.rl.sampling.merged_adapters`;
     TRL samples through peft's unmerged layers). vLLM has its own copy of
     the weights; TRL's sync to it, which merges the adapters in place and
     back, runs on copies of the base weights
-    (:func:`~storyrl.training.rl.sampling.kept_base_weights`)."""
-    from storyrl.training.rl.sampling import kept_base_weights, merged_adapters
+    (:func:`~storyrl.training.storyteller.rl.sampling.kept_base_weights`)."""
+    from storyrl.training.storyteller.rl.sampling import kept_base_weights, merged_adapters
 
     class MergedSampling(trainer_class):
         def __init__(self, *args, **kwargs):

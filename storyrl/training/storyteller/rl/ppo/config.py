@@ -1,4 +1,4 @@
-"""Options of storyrl's PPO trainer (:class:`storyrl.training.rl.ppo.PPOTrainer`).
+"""Options of storyrl's PPO trainer (:class:`storyrl.training.storyteller.rl.ppo.PPOTrainer`).
 
 Names follow TRL's last PPO configs (v0.11 ``PPOConfig`` and the later
 ``PPOConfig`` of ``trl.experimental.ppo``) so that users recognise them;
@@ -54,7 +54,7 @@ def tracker_problems(report_to: str | list[str]) -> list[str]:
 
 @dataclass
 class PPOConfig(Config):
-    """Settings of :class:`storyrl.training.rl.ppo.PPOTrainer`."""
+    """Settings of :class:`storyrl.training.storyteller.rl.ppo.PPOTrainer`."""
 
     _field_word = "key"
 
@@ -114,7 +114,7 @@ class PPOConfig(Config):
     stop_token_id: int | None = option(None, "Token id to cut responses after (wins over stop_token).", min=0)
     merge_adapters_for_sampling: bool = option(True, "Sample the rollouts with the policy's LoRA adapters merged "
                                                "into a copy of the weights they adapt, restored bit for bit "
-                                               "afterwards (storyrl.training.rl.sampling): as fast as generate on "
+                                               "afterwards (storyrl.training.storyteller.rl.sampling): as fast as generate on "
                                                "merged weights, one extra copy of those weights while sampling; "
                                                "false: through peft's unmerged adapters.")
     # -- models -------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """``storyrl train rl``: one RL run from an :class:`RLConfig`.
 
-:func:`train` loads the policy (:mod:`storyrl.training.rl.policy`), builds
-the prompt dataset (:mod:`storyrl.training.rl.data`) and the rewards (their
+:func:`train` loads the policy (:mod:`storyrl.training.storyteller.rl.policy`), builds
+the prompt dataset (:mod:`storyrl.training.storyteller.rl.data`) and the rewards (their
 models load before training starts, so a broken reward fails at once), does the
 rewards' image side once over the dataset (``prepare_rewards``), saves
 the resolved config as ``OUTPUT_DIR/rl_config.yaml`` and runs the algorithm:
-``grpo``/``rloo`` through TRL (:mod:`storyrl.training.rl.trl_trainers`),
-``ppo`` through storyrl's :class:`~storyrl.training.rl.ppo.PPOTrainer`. The
+``grpo``/``rloo`` through TRL (:mod:`storyrl.training.storyteller.rl.trl_trainers`),
+``ppo`` through storyrl's :class:`~storyrl.training.storyteller.rl.ppo.PPOTrainer`. The
 trained policy lands in ``OUTPUT_DIR/final/``.
 
 ``resume`` continues from the latest checkpoint in ``OUTPUT_DIR`` (a run
@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from storyrl.training import Trainer
-from storyrl.training.rl.config import ALGORITHMS, RLConfig
+from storyrl.training.storyteller.rl.config import ALGORITHMS, RLConfig
 from storyrl.training.runs import guarded, is_main_process
-from storyrl.training.storyteller import RunResult
+from storyrl.training.storyteller.config import RunResult
 
 __all__ = ["CONFIG_FILE", "TRAINER", "RLResult", "prepare_rewards", "run_ppo", "run_trl", "train"]
 
@@ -37,14 +37,14 @@ CONFIG_FILE = "rl_config.yaml"
 
 @dataclass(kw_only=True)
 class RLResult(RunResult):
-    """What a run did (:class:`~storyrl.training.storyteller.RunResult`) with
+    """What a run did (:class:`~storyrl.training.storyteller.config.RunResult`) with
     which algorithm."""
 
     algorithm: str
 
     def summary(self) -> dict[str, Any]:
         """The command's JSON line: directories, steps and the last logged reward."""
-        from storyrl.training.rl.monitor import last_reward
+        from storyrl.training.storyteller.rl.monitor import last_reward
 
         return {"algorithm": self.algorithm, "output_dir": self.output_dir, "final": self.final_dir,
                 "steps": self.steps, "last_reward": last_reward(self.history)}
@@ -89,8 +89,8 @@ def train(config: RLConfig, resume: bool = False, progress: bool = True, callbac
 
 
 def _train(config: RLConfig, resume: bool, progress: bool, callbacks: list | None) -> RLResult:
-    from storyrl.training.rl.data import build_dataset
-    from storyrl.training.rl.policy import load_policy
+    from storyrl.training.storyteller.rl.data import build_dataset
+    from storyrl.training.storyteller.rl.policy import load_policy
 
     algorithm = ALGORITHMS[config.algorithm]
     if callbacks and not algorithm.callbacks:
@@ -138,13 +138,13 @@ def _finished(config: RLConfig) -> list[dict] | None:
     from storyrl.training.guards import check_named_checkpoint, finished_history
 
     if config.algorithm == "ppo":
-        from storyrl.training.rl.ppo import find_latest_checkpoint
+        from storyrl.training.storyteller.rl.ppo import find_latest_checkpoint
 
         checkpoint = find_latest_checkpoint(config.output_dir)
         if checkpoint is not None:
             check_named_checkpoint(checkpoint, "step", config.max_steps)
     else:
-        from storyrl.training.rl.trl_guards import latest_complete_checkpoint
+        from storyrl.training.storyteller.rl.trl_guards import latest_complete_checkpoint
 
         checkpoint = latest_complete_checkpoint(config.output_dir)
         if checkpoint is not None:
@@ -185,8 +185,8 @@ def prepare_rewards(config: RLConfig, rewards: list, dataset, progress: bool = T
 
 def run_trl(config: RLConfig, policy, dataset, rewards, resume: bool, progress: bool,
             callbacks: list | None) -> RLResult:
-    """GRPO/RLOO through TRL's trainers (:func:`~storyrl.training.rl.trl_trainers.train_trl`)."""
-    from storyrl.training.rl.trl_trainers import train_trl
+    """GRPO/RLOO through TRL's trainers (:func:`~storyrl.training.storyteller.rl.trl_trainers.train_trl`)."""
+    from storyrl.training.storyteller.rl.trl_trainers import train_trl
 
     trainer = train_trl(config, policy, dataset, rewards, resume=resume, progress=progress, callbacks=callbacks)
     return RLResult(algorithm=config.algorithm, output_dir=config.output_dir, steps=trainer.state.global_step,
@@ -197,8 +197,8 @@ def run_ppo(config: RLConfig, policy, dataset, rewards, resume: bool, progress: 
             callbacks: list | None = None) -> RLResult:
     """storyrl's PPO (it writes history.jsonl with the story statistics and
     samples.jsonl itself); ``callbacks`` are refused before (:class:`Algorithm`)."""
-    from storyrl.training.rl.policy import lora_config, merge_adapters
-    from storyrl.training.rl.ppo import PPOTrainer, find_latest_checkpoint
+    from storyrl.training.storyteller.rl.policy import lora_config, merge_adapters
+    from storyrl.training.storyteller.rl.ppo import PPOTrainer, find_latest_checkpoint
 
     if resume and find_latest_checkpoint(config.output_dir) is None:
         logger.warning("resume: no checkpoint-<step>/ in %s; starting from the beginning", config.output_dir)

@@ -1,5 +1,5 @@
 """RoViST-VG's training dataset: a torch ``Dataset`` of (region pixels,
-phrase vector) pairs. Apart from :mod:`storyrl.training.rovist_vg` because
+phrase vector) pairs. Apart from :mod:`storyrl.training.judges.rovist_vg` because
 subclassing ``Dataset`` imports torch, which that module's config (read by
 ``storyrl train rovist_vg --help`` and config checks) must not."""
 
@@ -14,11 +14,11 @@ from torch.utils.data import Dataset
 
 if TYPE_CHECKING:
     from storyrl.models.glove import GloVe
-    from storyrl.training.rovist_vg import RegionPhrase
+    from storyrl.training.judges.rovist_vg import RegionPhrase
 
 __all__ = ["RegionPhraseDataset"]
 
-log = logging.getLogger("storyrl.training.rovist_vg")  # the trainer's logger, as before the split
+log = logging.getLogger("storyrl.training.judges.rovist_vg")  # the trainer's logger, as before the split
 
 
 class RegionPhraseDataset(Dataset):

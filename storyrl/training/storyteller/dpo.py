@@ -5,7 +5,7 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   them (``prompt``, ``chosen``, ``rejected``, ``images``, ``story_id``, ...).
   With ``prompts: template`` (the default) each pair's prompt is rebuilt as
   the storyteller prompt RL, SFT and ``generate`` send
-  (:class:`storyrl.training.rl.data._Prompter` with the pair's image count;
+  (:class:`storyrl.training.storyteller.rl.data._Prompter` with the pair's image count;
   a conversation when the tokenizer has a chat template), so DPO trains on
   the prompt the policy sees; ``prompts: pairs`` keeps the file's prompt.
   The loss is on the stories' tokens only (TRL's completion mask).
@@ -18,7 +18,7 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   scores them (context as RL gives it: the human story as reference, the
   sequence's images) and ``rewards/<name>/mean`` (over the stories a reward
   could score) with the story statistics of
-  :func:`storyrl.training.rl.monitor.story_stats` go into the step's log
+  :func:`storyrl.training.storyteller.rl.monitor.story_stats` go into the step's log
   (``history.jsonl``) and the first three stories, with their story ids,
   into ``samples.jsonl``. Sampled, not greedy: a text policy's prompt
   depends only on the image count, so greedy decoding wrote one story for
@@ -27,7 +27,7 @@ TRL's ``DPOTrainer`` (``storyrl train dpo --config configs/training/dpo.yaml``).
   a resumed run samples what an uninterrupted one does), and leaves the
   training's random state as it was.
 * ``precision`` is the weights' dtype and sets TRL's autocast
-  (:meth:`~storyrl.training.storyteller.TrlRunOptions.trl_arguments`): bf16
+  (:meth:`~storyrl.training.storyteller.config.TrlRunOptions.trl_arguments`): bf16
   weights train under bf16 autocast; fp16 is an fp16 base under fp32 LoRA
   adapters (fp16 autocast + loss scaling, on the CPU as on a GPU); fp16
   without LoRA is refused when the config is read (no fp32 master copy).
@@ -54,7 +54,7 @@ from typing import Any
 from storyrl.config import option
 from storyrl.training import Trainer
 from storyrl.training.runs import guarded
-from storyrl.training.storyteller import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
+from storyrl.training.storyteller.config import (RunResult, StorytellerConfig, TrlRunOptions, match_precision,
                                          story_completion, turn_end)
 
 __all__ = ["LOSS_TYPES", "PROMPT_SOURCES", "TRAINER", "DPOResult", "DPORunConfig", "build_trainer", "dpo_dataset",
@@ -69,7 +69,7 @@ PROMPT_SOURCES = ("template", "pairs")
 @dataclass(kw_only=True)
 class DPORunConfig(TrlRunOptions, StorytellerConfig):
     """Settings of the dpo trainer (module docs); the policy, data and prompt
-    keys are :class:`~storyrl.training.storyteller.StorytellerConfig`'s, as
+    keys are :class:`~storyrl.training.storyteller.config.StorytellerConfig`'s, as
     ``storyrl train rl`` reads them (``data``: the image sequences and human
     stories the monitoring samples are written for)."""
 
@@ -97,7 +97,7 @@ class DPORunConfig(TrlRunOptions, StorytellerConfig):
     sample_max_new_tokens: int = option(128, "Token limit of a monitoring story.", min=1)
 
     def _problems(self) -> list[str]:
-        from storyrl.training.rl.config import reward_problems
+        from storyrl.training.storyteller.rl.config import reward_problems
 
         problems = []
         if not Path(self.pairs).is_file():
@@ -140,7 +140,7 @@ def dpo_dataset(config: DPORunConfig, kind: str, processing_class: Any):
 
     from storyrl.images import resolve_images
     from storyrl.judgements.pairs import read_preference_rows
-    from storyrl.training.rl.data import _Prompter
+    from storyrl.training.storyteller.rl.data import _Prompter
 
     if kind == "vlm" and config.prompts != "template":
         raise ValueError(f"{config.pairs}: prompts: pairs: a VLM policy's prompt holds the images; use prompts: "
@@ -200,7 +200,7 @@ class SampleMonitor:
     metrics into that step's log."""
 
     def __init__(self, config: DPORunConfig, kind: str, processing_class: Any, rewards: list[Any]) -> None:
-        from storyrl.training.rl.data import load_data, prompt_rows
+        from storyrl.training.storyteller.rl.data import load_data, prompt_rows
 
         self.config, self.kind, self.rewards = config, kind, rewards
         records = load_data(config)[: config.sample_prompts]
@@ -214,7 +214,7 @@ class SampleMonitor:
         """One story per row, sampled from the seed (module docs)."""
         import torch
 
-        from storyrl.training.rl.policy import Policy, _generate
+        from storyrl.training.storyteller.rl.policy import Policy, _generate
 
         training = model.training
         model.eval()
@@ -228,7 +228,7 @@ class SampleMonitor:
             model.train(training)
 
     def run(self, model, processing_class, step: int, is_main: bool = True) -> dict[str, float]:
-        from storyrl.training.rl.monitor import finite_or_none, sample_stories, story_stats
+        from storyrl.training.storyteller.rl.monitor import finite_or_none, sample_stories, story_stats
 
         texts = self.stories(model, processing_class)
         metrics: dict[str, float] = {}
@@ -301,8 +301,8 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
     monitoring), not yet trained."""
     from trl import DPOTrainer
 
-    from storyrl.training.rl.policy import load_policy, lora_config
-    from storyrl.training.rl.trl_trainers import HistoryCallback, quiet_progress
+    from storyrl.training.storyteller.rl.policy import load_policy, lora_config
+    from storyrl.training.storyteller.rl.trl_trainers import HistoryCallback, quiet_progress
 
     kind = config.policy_kind()
     if kind not in ("causal_lm", "vlm"):
@@ -327,7 +327,7 @@ def build_trainer(config: DPORunConfig, progress: bool = True, callbacks: list |
 @guarded
 def train(config: DPORunConfig, resume: bool = False, progress: bool = True) -> DPOResult:
     """Train, then save the model and its tokenizer in ``OUTPUT_DIR/final``."""
-    from storyrl.training.rl.trl_trainers import train_to_final
+    from storyrl.training.storyteller.rl.trl_trainers import train_to_final
 
     trainer = train_to_final(config, build_trainer, resume, progress, "dpo_config.yaml")
     return DPOResult(output_dir=config.output_dir, steps=trainer.state.global_step,

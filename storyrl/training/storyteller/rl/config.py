@@ -2,7 +2,7 @@
 
 One YAML file sets the policy, the data and its prompts, the rewards, and
 the algorithm's own options as a nested mapping: ``ppo`` (storyrl's
-:class:`~storyrl.training.rl.ppo.config.PPOConfig`), ``grpo`` / ``rloo``
+:class:`~storyrl.training.storyteller.rl.ppo.config.PPOConfig`), ``grpo`` / ``rloo``
 (TRL's ``GRPOConfig`` / ``RLOOConfig``, any of their keys).
 
 Which keys win: ``output_dir``, ``seed``, ``max_steps``, ``report_to``,
@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from storyrl.config import Config, ConfigError, ConfigTypeError, _bound_problem, check_type, first_nonfinite, option
-from storyrl.training.rl.ppo.config import PPOConfig, tracker_problems
-from storyrl.training.storyteller import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
+from storyrl.training.storyteller.rl.ppo.config import PPOConfig, tracker_problems
+from storyrl.training.storyteller.config import POLICIES, SETTINGS, LoraOptions, StorytellerConfig
 
 __all__ = ["ALGORITHMS", "FLOWED_KEYS", "POLICIES", "SETTINGS", "Algorithm", "LoraOptions", "RLConfig",
            "reward_problems"]
@@ -66,7 +66,7 @@ class Algorithm:
     key of the algorithm's name), ``run`` the ``module:function`` that trains
     with it, imported when a run starts (``run(config, policy, dataset,
     rewards, resume=, progress=, callbacks=)`` returns an
-    :class:`~storyrl.training.rl.train.RLResult`), ``flowed`` the run-level
+    :class:`~storyrl.training.storyteller.rl.train.RLResult`), ``flowed`` the run-level
     keys (:data:`FLOWED_KEYS`) as its config takes them, ``callbacks``
     whether its trainer calls transformers ``TrainerCallback`` objects.
     ``config_class`` may be a ``"module:Class"`` string, imported by
@@ -97,15 +97,15 @@ class Algorithm:
 #: configs, and what a run calls. A new one is a line here and an RLConfig
 #: field of the same name holding its config.
 ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm(PPOConfig, "storyrl.training.rl.train:run_ppo", _storyrl_flowed, callbacks=False),
-    "grpo": Algorithm("trl:GRPOConfig", "storyrl.training.rl.train:run_trl", _trl_flowed),
-    "rloo": Algorithm("trl:RLOOConfig", "storyrl.training.rl.train:run_trl", _trl_flowed),
+    "ppo": Algorithm(PPOConfig, "storyrl.training.storyteller.rl.train:run_ppo", _storyrl_flowed, callbacks=False),
+    "grpo": Algorithm("trl:GRPOConfig", "storyrl.training.storyteller.rl.train:run_trl", _trl_flowed),
+    "rloo": Algorithm("trl:RLOOConfig", "storyrl.training.storyteller.rl.train:run_trl", _trl_flowed),
 }
 
 
 @dataclass(kw_only=True)
 class RLConfig(StorytellerConfig):
-    """Settings of :func:`storyrl.training.rl.train.train` (module docs); the
+    """Settings of :func:`storyrl.training.storyteller.rl.train.train` (module docs); the
     policy, data and prompt keys are :class:`StorytellerConfig`'s."""
 
     _field_word = "key"
@@ -253,7 +253,7 @@ class RLConfig(StorytellerConfig):
     def _problems(self) -> list[str]:
         # What needs the built algorithm configs or the policy's kind; the
         # other problems were refused by _check_run_problems before the build.
-        from storyrl.training.rl.vllm_options import vllm_problems
+        from storyrl.training.storyteller.rl.vllm_options import vllm_problems
 
         problems = self._precision_problems()
         for name in ("grpo", "rloo"):

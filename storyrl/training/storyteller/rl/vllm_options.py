@@ -2,7 +2,7 @@
 
 ``grpo:``/``rloo:`` take TRL 1.16's own keys unchanged (``use_vllm``,
 ``vllm_mode``, ``vllm_gpu_memory_utilization``, ...; their types are
-checked with every TRL key by :mod:`storyrl.training.rl.config`). TRL
+checked with every TRL key by :mod:`storyrl.training.storyteller.rl.config`). TRL
 itself checks almost none of them before the trainer starts (a wrong
 ``vllm_mode`` fails after the policy is loaded; an unknown server after a
 240 s wait), so :func:`vllm_problems` refuses here, one message per fault:
@@ -26,7 +26,7 @@ itself checks almost none of them before the trainer starts (a wrong
 
 With LoRA, TRL's weight sync merges the adapters into the base weights in
 place and subtracts them again; in bf16/fp16 that rounds, so the frozen base
-would drift a little at every step. :func:`storyrl.training.rl.sampling.kept_base_weights`
+would drift a little at every step. :func:`storyrl.training.storyteller.rl.sampling.kept_base_weights`
 wraps the sync so that the base comes back bit for bit.
 """
 
