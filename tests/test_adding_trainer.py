@@ -1,7 +1,8 @@
-"""README's "Adding a trainer", run as written: its module code and its
-registry line are read from README.md and executed, with a stand-in for the
-TRL training inside ``train``, and the trainer is driven through
-``storyrl train sft`` as a user would."""
+"""docs/extending/adding_a_trainer.md, run as written: its module code and
+its registry line are read from the page and executed (the module under the
+name its ``TRAINERS.add`` line gives), with a stand-in for the TRL training
+inside ``train``, and the trainer is driven through ``storyrl train sft`` as
+a user would."""
 
 from __future__ import annotations
 
@@ -19,24 +20,44 @@ import storyrl.training
 from storyrl.cli import main
 from storyrl.registry import Registry
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "extending" / "adding_a_trainer.md"
 
 
-def readme_blocks() -> list[str]:
-    text = README.read_text(encoding="utf-8")
-    section = text.split("\n## Adding a trainer\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+def page_blocks() -> list[str]:
+    """The page's Python blocks: the module, then the registry line."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(encoding="utf-8"), re.DOTALL)
+    assert len(blocks) == 2, f"{PAGE}: expected the module and the TRAINERS.add line, found {len(blocks)} blocks"
+    return blocks
+
+
+def registered_module(registry_line: str) -> str:
+    """The module the page's ``TRAINERS.add`` line names (``pkg.mod:TRAINER`` -> ``pkg.mod``)."""
+    [target] = re.findall(r'TRAINERS\.add\("\w+", "([\w.]+):TRAINER"', registry_line)
+    return target
+
+
+def test_the_page_puts_the_trainer_where_storyrl_keeps_it():
+    """The example's file (its first line) is the module its registry line
+    names, and storyrl registers its own sft trainer there: a page left behind
+    by a move of the trainers fails here."""
+    module_code, registry_line = page_blocks()
+    name = registered_module(registry_line)
+    assert module_code.splitlines()[0] == f"# {name.replace('.', '/')}.py"
+    assert (ROOT / f"{name.replace('.', '/')}.py").is_file()
+    assert f'"{name}:TRAINER"' in (ROOT / "storyrl" / "training" / "__init__.py").read_text(encoding="utf-8")
 
 
 @pytest.fixture
 def sft(monkeypatch):
-    """The README's module as storyrl.training.storyteller.sft (train replaced by a
-    stand-in that records its call) and a registry holding what the
-    README's TRAINERS.add line registers."""
-    module_code, registry_line = readme_blocks()
-    module = types.ModuleType("storyrl.training.storyteller.sft")
-    monkeypatch.setitem(sys.modules, "storyrl.training.storyteller.sft", module)  # before: dataclasses look the module up
-    exec(compile(module_code, "README.md", "exec"), module.__dict__)  # noqa: S102  (the README's own code)
+    """The page's module under the name its registry line gives (train
+    replaced by a stand-in that records its call) and a registry holding
+    what the page's TRAINERS.add line registers."""
+    module_code, registry_line = page_blocks()
+    name = registered_module(registry_line)
+    module = types.ModuleType(name)
+    monkeypatch.setitem(sys.modules, name, module)  # before exec: dataclasses look the module up
+    exec(compile(module_code, str(PAGE), "exec"), module.__dict__)  # noqa: S102  (the page's own code)
     calls = []
 
     def stand_in(config, resume=False, progress=True):
@@ -45,7 +66,7 @@ def sft(monkeypatch):
 
     module.TRAINER = dataclasses.replace(module.TRAINER, train=stand_in)
     registry = Registry("trainer")
-    exec(compile(registry_line, "README.md", "exec"), {"TRAINERS": registry})  # noqa: S102
+    exec(compile(registry_line, str(PAGE), "exec"), {"TRAINERS": registry})  # noqa: S102
     monkeypatch.setattr(storyrl.training, "TRAINERS", registry)
     return module, calls
 
@@ -54,7 +75,7 @@ def flat(text: str) -> str:
     return " ".join(text.split())
 
 
-def test_the_readme_trainer_is_a_storyrl_train_command(sft, tmp_path):
+def test_the_page_trainer_is_a_storyrl_train_command(sft, tmp_path):
     module, calls = sft
     runner = CliRunner()
     listing = flat(runner.invoke(main, ["train", "--help"]).output)

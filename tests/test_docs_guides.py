@@ -35,7 +35,8 @@ EXAMPLE_FILES = {
 }
 #: Module names of the worked examples (extending/adding_a_reward.md's module).
 EXAMPLE_MODULES = {"storyrl.rewards.length"}
-REPO_FILE = re.compile(r"(?<![\w/.-])((?:configs|benchmarks|examples|tests|storyrl)/[\w./-]*\w\.(?:yaml|py|md|sh|json|jsonl))")
+REPO_FILE = re.compile(
+    r"(?<![\w/.-])((?:configs|benchmarks|examples|tests|storyrl)/[\w./-]*\w\.(?:yaml|py|md|sh|json|jsonl))")
 CODE_SPANS = re.compile(r"```.*?```|`[^`\n]+`", re.DOTALL)
 DOTTED = re.compile(r"(?<![\w.])storyrl(?:\.\w+)+")
 COMMAND = re.compile(r"\bstoryrl[ ]+([a-z][a-z_-]*)(?:[ ]+([a-z][a-z_-]*))?")
@@ -83,7 +84,8 @@ def unresolved_names(text: str, root: Path = REPO) -> list[str]:
                 continue
             n, source = found
             rest = parts[n:]
-            if len(rest) > 1 or (rest and not re.search(rf"\b{re.escape(rest[0])}\b", source.read_text(encoding="utf-8"))):
+            mentioned = not rest or re.search(rf"\b{re.escape(rest[0])}\b", source.read_text(encoding="utf-8"))
+            if len(rest) > 1 or not mentioned:
                 bad.append(name)
     return sorted(set(bad))
 
@@ -165,5 +167,6 @@ def test_the_reward_of_adding_a_reward_scores_through_the_command_and_trl(length
     assert result.exit_code == 0, result.output
     rows = dict(line.split(",") for line in out.read_text(encoding="utf-8").splitlines()[1:])
     assert rows == {k: (str(float(min(n, 3))) if n else "") for k, n in words.items()}
-    result = runner.invoke(main, ["score", str(path), "-m", "length", "--max-words", "0", "-o", str(tmp_path / "x.csv")])
+    result = runner.invoke(main, ["score", str(path), "-m", "length", "--max-words", "0",
+                                  "-o", str(tmp_path / "x.csv")])
     assert result.exit_code == 2 and "--max-words" in result.output  # the option's bound, from the dataclass
