@@ -226,7 +226,8 @@ def test_rl_prepare_option(tmp_path, images, monkeypatch):
 
     from storyrl.training.storyteller.rl import train as rl_train
 
-    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind",
+                        lambda self, read_hub=True: "text")
     rows = [{"prompt": "p", "story_id": str(k), "reference": HUMAN[k], "story_images": s, "image_ids": None}
             for k, s in enumerate(sequences(images))]
     dataset = Dataset.from_list(rows).with_transform(lambda batch: {"images": batch["story_id"]})
@@ -258,8 +259,9 @@ def test_rl_train_calls_prepare_before_the_algorithm(tmp_path, monkeypatch):
                         lambda config, kind: SimpleNamespace(processing_class=None))
     from datasets import Dataset
 
-    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
-        [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
+    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset",
+                        lambda config, kind, pc: Dataset.from_list(
+                            [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
 
     def runner(config, policy, dataset, rewards, **kw):
         order.append(("run", len(reward.prepared)))
@@ -496,7 +498,8 @@ def test_rl_prepare_keys_human_stories_as_training_steps_do(tiny_clip, images, c
 
     from storyrl.training.storyteller.rl import train as rl_train
 
-    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind", lambda self, read_hub=True: "text")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.config.RLConfig.policy_kind",
+                        lambda self, read_hub=True: "text")
     rows = [{"prompt": "p", "story_id": sid, "reference": HUMAN[k], "story_images": s}
             for k, (sid, s) in enumerate(zip(["a", "b", "c"], sequences(images)))]
     reward = dhm(tiny_clip, coherence_model, tmp_path)
@@ -531,8 +534,9 @@ def test_rl_train_reports_a_prepare_failure_as_a_setup_error(tmp_path, monkeypat
     monkeypatch.setattr(rl_config_module.RLConfig, "build_rewards", lambda self: [Broken()])
     monkeypatch.setattr("storyrl.training.storyteller.rl.policy.load_policy",
                         lambda config, kind: SimpleNamespace(processing_class=None))
-    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset", lambda config, kind, pc: Dataset.from_list(
-        [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
+    monkeypatch.setattr("storyrl.training.storyteller.rl.data.build_dataset",
+                        lambda config, kind, pc: Dataset.from_list(
+                            [{"prompt": "p", "story_id": "0", "reference": "r", "story_images": ["x.png"]}]))
     monkeypatch.setattr(rl_config_module.Algorithm, "runner", lambda self: pytest.fail("the algorithm ran"))
     with pytest.raises(ValueError) as info:
         rl_train._train(rl_config(tmp_path), resume=False, progress=False, callbacks=None)

@@ -111,7 +111,8 @@ def test_adapters_that_cannot_be_swapped_are_merged_after_the_run(tiny, monkeypa
 
     model, _, ids, mask = tiny
     model = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    monkeypatch.setattr("storyrl.training.storyteller.rl.sampling.unmergeable", lambda layer: "a 4-bit base (pretended)")
+    monkeypatch.setattr("storyrl.training.storyteller.rl.sampling.unmergeable",
+                        lambda layer: "a 4-bit base (pretended)")
     recorder = rl_generate.GenerateRecorder(warmup=0, repeats=1)
     with recorder.recording():
         recorder.next_step()

@@ -114,8 +114,9 @@ class PPOConfig(Config):
     stop_token_id: int | None = option(None, "Token id to cut responses after (wins over stop_token).", min=0)
     merge_adapters_for_sampling: bool = option(True, "Sample the rollouts with the policy's LoRA adapters merged "
                                                "into a copy of the weights they adapt, restored bit for bit "
-                                               "afterwards (storyrl.training.storyteller.rl.sampling): as fast as generate on "
-                                               "merged weights, one extra copy of those weights while sampling; "
+                                               "afterwards (storyrl.training.storyteller.rl.sampling): as fast as "
+                                               "generate on merged weights, one extra copy of those weights while "
+                                               "sampling; "
                                                "false: through peft's unmerged adapters.")
     # -- models -------------------------------------------------------------------
     value_model: str | None = option(None, "Value model: null = a value head on the policy; else a path or hub "
