@@ -21,14 +21,17 @@ import click
 
 from storyrl.cli.ablate import ablate
 from storyrl.cli.common import CommandError
+from storyrl.cli.compare import compare
 from storyrl.cli.data import assets, regions
 from storyrl.cli.doctor import doctor
 from storyrl.cli.eval import dhm
 from storyrl.cli.features import features
 from storyrl.cli.generate import generate
+from storyrl.cli.kl import kl
 from storyrl.cli.launch import launch
 from storyrl.cli.meta_eval import meta_eval
 from storyrl.cli.pairs import pairs_cmd
+from storyrl.cli.records import records
 from storyrl.cli.score import groovist_calibrate, list_rewards_cmd, score
 from storyrl.cli.serve import serve
 from storyrl.cli.sweep import sweep
@@ -123,3 +126,6 @@ main.add_command(meta_eval)
 main.add_command(launch)
 main.add_command(doctor)
 main.add_command(pairs_cmd)
+main.add_command(records)
+main.add_command(kl)
+main.add_command(compare)
