@@ -86,7 +86,7 @@ def test_tapm_decoder_and_tokenizer(probe, tmp_path):
 def test_learned_metric_trainers_name_base_model_and_tokenizer(probe, trainer):
     import importlib
 
-    build = importlib.import_module(f"storyrl.training.{trainer}")._build_model
+    build = importlib.import_module(f"storyrl.training.judges.{trainer}")._build_model
     config = SimpleNamespace(init_from=None, base_model=MISSING, tokenizer=None, dropout=0.1, pooling="pooler",
                              max_length=8)
     _raises(lambda: build(config, None, None), f"base model {MISSING!r}", "set base_model", "--base-model DIR")

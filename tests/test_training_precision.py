@@ -697,7 +697,7 @@ def test_every_judge_trainer_takes_every_mixed_precision():
     from storyrl.training.config import TrainConfig
 
     checked = []
-    for name in ("coherence", "vrank", "cosmic", "rovist_vg", "tapm"):
+    for name in ("judges.coherence", "judges.vrank", "judges.cosmic", "judges.rovist_vg", "storyteller.tapm"):
         module = importlib.import_module(f"storyrl.training.{name}")
         configs = [c for c in vars(module).values()
                    if isinstance(c, type) and issubclass(c, TrainConfig) and c.__module__ == module.__name__]
