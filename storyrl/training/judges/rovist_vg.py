@@ -189,7 +189,7 @@ def pair_vocabulary(pairs: list[RegionPhrase]) -> set[str]:
 def __getattr__(name: str):
     # RegionPhraseDataset subclasses torch's Dataset: loaded on first use
     if name == "RegionPhraseDataset":
-        from storyrl.training.rovist_vg_data import RegionPhraseDataset
+        from storyrl.training.judges.rovist_vg_data import RegionPhraseDataset
 
         return RegionPhraseDataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -242,7 +242,7 @@ def train_rovist_vg(
     from storyrl.models.hub import require_hub_model, timm_hub_id
     from storyrl.models.rovist_vg import RovistVGModel
     from storyrl.training.loop import fit
-    from storyrl.training.rovist_vg_data import RegionPhraseDataset
+    from storyrl.training.judges.rovist_vg_data import RegionPhraseDataset
 
     hub_id = (timm_hub_id(config.vit, (config.timm_kwargs or {}).get("pretrained_cfg_overlay"))
               if model is None and config.pretrained_vit else None)
