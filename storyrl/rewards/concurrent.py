@@ -2,7 +2,7 @@
 
 TRL's GRPO/RLOO trainers await every *async* reward function of a step
 together (``asyncio.gather`` on one event-loop thread), and storyrl's PPO
-does the same (:func:`storyrl.training.storyteller.rl.ppo_rewards.call_rewards`). A
+does the same (:func:`storyrl.training.storyteller.rl.ppo.rewards.call_rewards`). A
 storyrl reward is synchronous: TRL calls it after the previous one finished.
 :class:`AsyncReward` gives it an ``async __call__`` that runs the reward in a
 worker thread of its own, so two model rewards (torch releases the GIL while
