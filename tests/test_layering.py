@@ -283,6 +283,14 @@ def test_importing_loads_no_sweep_ablation_generator_or_trainer(code):
     assert _run(check) == "[]"
 
 
+def test_the_training_packages_load_no_torch_or_trl():
+    # `from storyrl.training.storyteller import StorytellerConfig` is how configs and the CLI read the options.
+    check = ("import sys; import storyrl.training, storyrl.training.judges; "
+             "from storyrl.training.storyteller import StorytellerConfig; "
+             "print([m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules])")
+    assert _run(check) == "[]"
+
+
 def test_the_dhm_reward_loads_no_eval_module():
     check = ("import sys; from storyrl.rewards import create_reward; create_reward('dhm'); "
              "print(sorted(m for m in sys.modules if m.startswith('storyrl.eval')))")
