@@ -4,6 +4,7 @@ stories (:mod:`storyrl.eval.story_kl`)."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import click
@@ -90,6 +91,16 @@ def kl(stories, reference, policy, data, data_format, image_root, out, batch_siz
             except (TypeError, ValueError) as exc:
                 _fail(str(exc))
     finite = [v for v in values.values() if v == v]
-    click.echo(_json({"out": str(out), "stories": len(values), "resumed": len(writer.done),
+    unmeasured = len(values) - len(finite)
+    if unmeasured:
+        from storyrl.eval.story_kl import story_problem
+        from storyrl.models.vlm import load_vlm  # loaded already: shared by name and settings
+
+        processor = load_vlm(policy or options["model"], options.get("revision"), options.get("device"),
+                             options.get("precision", "auto"), options.get("load_in_4bit", False)).processor
+        reasons = Counter(story_problem(processor, todo[sid]) for sid, v in values.items() if v != v)
+        for reason, count in reasons.items():
+            click.echo(f"{count} stories not measured: {reason}", err=True)
+    click.echo(_json({"out": str(out), "stories": len(values), "measured": len(finite), "resumed": len(writer.done),
                       "mean_kl": sum(finite) / len(finite) if finite else None,
                       "policy": policy or options.get("model"), "reference": reference}))

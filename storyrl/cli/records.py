@@ -59,11 +59,6 @@ def records(data, data_format, image_root, out, image_ids_out, decode, workers, 
         _fail(str(exc))
     if not stories:
         _fail(f"{data}: no stories")
-    seen: set[str] = set()
-    for record in stories:  # the records are keyed by story id downstream (pairs, score tables)
-        if record.story_id in seen:
-            _fail(f"{data}: story id {record.story_id!r} appears twice; each story needs its own id")
-        seen.add(record.story_id)
     if image_ids_out is not None:
         without = next((r.story_id for r in stories if not r.image_ids), None)
         if without is not None:

@@ -27,7 +27,7 @@ from typing import Any
 
 from storyrl.data import StoryRecord
 
-__all__ = ["KL_COLUMN", "prompting_options", "sequence_kl", "story_kl"]
+__all__ = ["KL_COLUMN", "prompting_options", "sequence_kl", "story_kl", "story_problem"]
 
 #: The score column ``storyrl kl`` writes (``storyrl compare`` reports its mean).
 KL_COLUMN = "kl"
@@ -38,11 +38,21 @@ def _inputs(processor, images: Sequence[Any], texts: Sequence[str], device):
     return batch.to(device)
 
 
+def story_problem(processor, story: str) -> str | None:
+    """Why ``story`` cannot be measured, or None: a story holding the
+    processor's image placeholder text would be read as one more image."""
+    from storyrl.generators.prompting import processor_image_token
+
+    token = processor_image_token(processor)
+    return f"the story contains the image token {token}" if token and token in story else None
+
+
 def sequence_kl(policy, reference, processor, prompts: Sequence[str], images: Sequence[Any],
                 stories: Sequence[str], *, batch_size: int = 4, device: Any = "cpu") -> list[float]:
     """KL(policy || reference) summed over each story's tokens (module docs),
     ``policy`` and ``reference`` two models that share ``processor`` (its
-    tokenizer pads on the left). One value per (prompt, image, story)."""
+    tokenizer pads on the left). One value per (prompt, image, story); NaN
+    for a story :func:`story_problem` refuses."""
     import torch
 
     from storyrl.generators.engines import pixel_dtype
@@ -57,12 +67,13 @@ def sequence_kl(policy, reference, processor, prompts: Sequence[str], images: Se
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no end-of-sequence token")
-    out: list[float] = []
-    for start in range(0, len(prompts), batch_size):
-        rows = slice(start, start + batch_size)
-        texts = [f"{p} {s}" for p, s in zip(prompts[rows], stories[rows])]
-        alone = _inputs(processor, images[rows], prompts[rows], device)
-        full = _inputs(processor, images[rows], texts, device)
+    out = [math.nan] * len(stories)
+    todo = [i for i, story in enumerate(stories) if story_problem(processor, story) is None]
+    for start in range(0, len(todo), batch_size):
+        rows = todo[start : start + batch_size]
+        batch_images = [images[i] for i in rows]
+        alone = _inputs(processor, batch_images, [prompts[i] for i in rows], device)
+        full = _inputs(processor, batch_images, [f"{prompts[i]} {stories[i]}" for i in rows], device)
         prompt_len = alone["attention_mask"].sum(-1)
         # the story's tokens and the end-of-sequence token, at the end of each left-padded row
         story_len = full["attention_mask"].sum(-1) - prompt_len + 1
@@ -81,11 +92,8 @@ def sequence_kl(policy, reference, processor, prompts: Sequence[str], images: Se
                 logp.append(torch.log_softmax(logits.float(), dim=-1))
         # (rows, keep): position j predicts j+1; a KL is >= 0, below only by rounding
         per_position = (logp[0].exp() * (logp[0] - logp[1])).sum(-1).clamp(min=0)
-        for i, n in enumerate(story_len.tolist()):
-            if n < 1:
-                out.append(math.nan)  # the story re-tokenized into the prompt's tokens: nothing to measure
-                continue
-            out.append(float(per_position[i, keep - 1 - n : keep - 1].sum()))
+        for row, (i, n) in enumerate(zip(rows, story_len.tolist())):
+            out[i] = float(per_position[row, keep - 1 - n : keep - 1].sum())
     return out
 
 
