@@ -286,9 +286,7 @@ def recipe(tmp_path_factory, tiny_clip):
            "base": base}
 
 
-pytestmark = pytest.mark.slow
-
-
+@pytest.mark.slow
 def test_run_sh_runs_every_step_in_order_through_storyrl_commands(recipe):
     steps = recipe["steps"]
     assert [name for name, _ in steps] == STEPS
@@ -302,6 +300,7 @@ def test_run_sh_runs_every_step_in_order_through_storyrl_commands(recipe):
         assert "--resume" in argv or argv[1] in ("records", "dhm", "compare"), name
 
 
+@pytest.mark.slow
 def test_records_keep_the_sequences_whose_images_are_all_there(recipe):
     summaries, root = recipe["summaries"], recipe["root"]
     assert summaries["records_train"]["kept"] == 5 and summaries["records_train"]["reasons"] == {"image not found": 1}
@@ -312,6 +311,7 @@ def test_records_keep_the_sequences_whose_images_are_all_there(recipe):
     assert ids == {str(s): [f"{1000 + 10 * s + k}" for k in range(5)] for s in range(8, 12)}
 
 
+@pytest.mark.slow
 def test_every_trainer_finished_and_its_model_is_the_next_steps_input(recipe):
     summaries, root = recipe["summaries"], recipe["root"]
     run = root / "runs/llava_next_vist"
@@ -324,12 +324,14 @@ def test_every_trainer_finished_and_its_model_is_the_next_steps_input(recipe):
     assert meta["options"]["prompt"] == "P3" and meta["options"]["setting"] == "visual"
 
 
+@pytest.mark.slow
 def test_the_tiny_storyteller_writes_sentences(recipe):
     stories = json.loads((recipe["root"] / "runs/llava_next_vist/eval/zero_shot/stories.json").read_text())
     assert sorted(stories) == ["10", "11", "8", "9"]
     assert all(s.startswith("dog ran park. cat sat mat.") for s in stories.values())  # the greedy chain
 
 
+@pytest.mark.slow
 def test_compare_reports_every_system_against_human_and_zero_shot(recipe):
     root, summaries = recipe["root"], recipe["summaries"]
     results = json.loads((root / "runs/llava_next_vist/eval/results.json").read_text())
@@ -350,6 +352,7 @@ def test_compare_reports_every_system_against_human_and_zero_shot(recipe):
     assert "| human | 4 |" in table and "Δ d_HM vs zero_shot" in table
 
 
+@pytest.mark.slow
 def test_a_finished_step_is_skipped_when_run_sh_runs_again(recipe, tmp_path):
     """run.sh itself (not its printed commands): steps marked finished are
     skipped, and a step whose mark is gone runs again (compare, rewriting
@@ -372,7 +375,7 @@ def test_a_finished_step_is_skipped_when_run_sh_runs_again(recipe, tmp_path):
     assert table in ran.stdout
 
 
-def test_the_recipe_files_name_full_size_models(recipe):
+def test_the_recipe_files_name_full_size_models():
     """What the test changed is the tiny stand-ins; the files as shipped name
     the paper's models."""
     shipped = {name: (RECIPE / name).read_text(encoding="utf-8") for name in recipe_files()}
@@ -388,3 +391,26 @@ def test_a_change_outside_the_allow_list_is_refused(tmp_path):
         derived(tmp_path, "sft.yaml", {"learning_rate": 1.0})
     with pytest.raises(AssertionError, match="has no clip_model"):
         derived(tmp_path, "sft.yaml", {"clip_model": "x"})
+
+
+PAGES = [RECIPE / "README.md", ROOT / "docs/examples/llava_next_vist.md", ROOT / "docs/examples/rl_vist.md"]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_recipe_pages_name_files_modules_and_commands_that_exist(page):
+    from test_docs_guides import missing_files, unknown_commands, unresolved_names
+
+    text = page.read_text(encoding="utf-8")
+    assert missing_files(text) == [] and unresolved_names(text) == [] and unknown_commands(text) == []
+
+
+def test_the_readme_shows_run_sh_commands():
+    """Each command the README shows for a step is run.sh's (its subcommand
+    and config files), so the page cannot describe another recipe."""
+    text = (RECIPE / "README.md").read_text(encoding="utf-8")
+    run = RUN_SH.read_text(encoding="utf-8")
+    for config in sorted(set(re.findall(r"examples/llava_next_vist/[\w/]+\.yaml", text))):
+        assert config.replace("examples/llava_next_vist/", "$E/") in run, config
+    for command in ("records", "train coherence", "score", "generate", "dhm", "train sft", "kl", "train rl",
+                    "pairs", "train dpo", "compare"):
+        assert f"storyrl {command}" in text and f"storyrl {command}" in run, command
