@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from storyrl.cli import main
 from storyrl.data import ScoreTable
-from storyrl.eval.compare import compare_systems, paired_difference, story_statistics
+from storyrl.eval.compare import compare_systems, paired_difference, story_statistics, system_seed
 
 HUMAN = {"groovist": {"a": 0.5, "b": -0.2, "c": 1.5, "d": 0.1},
          "coherence": {"a": 0.9, "b": 0.8, "c": 0.85, "d": 0.7},
@@ -112,8 +112,7 @@ def test_compare_systems_against_a_plain_computation(metrics):
     for key in ("d_hm", *tuned.distances):
         shared = sorted(set(ref_tuned[key]) & set(ref_zero[key]))
         diff = [ref_tuned[key][k] - ref_zero[key][k] for k in shared]
-        # the tuned system is the second: its bootstrap seed is seed + 1
-        want = paired_difference(ref_tuned[key], ref_zero[key], resamples=100, seed=8)
+        want = paired_difference(ref_tuned[key], ref_zero[key], resamples=100, seed=system_seed(7, "tuned"))
         assert tuned.deltas[key]["delta"] == pytest.approx(sum(diff) / len(diff))
         assert tuned.deltas[key] == pytest.approx(want)
     assert tuned.means["kl"] == pytest.approx(1.5) and "kl" not in zero.means  # NaN left out
@@ -209,3 +208,27 @@ def test_random_module_untouched():
     state = random.getstate(), np.random.get_state()[1].copy()
     paired_difference({"a": 1.0, "b": 2.0}, {"a": 0.0, "b": 0.0}, resamples=10)
     assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()
+
+
+def test_seed_and_resamples_reach_the_intervals(files):
+    def interval(*extra):
+        js = files["dir"] / "i.json"
+        result = invoke("--human", *files["human"], "--system", *files["zero"], "--system", *files["tuned"], "-o",
+                        files["dir"] / "i.md", "--json", js, "--overwrite", *extra)
+        assert result.exit_code == 0, result.output
+        delta = json.loads(js.read_text())["systems"][1]["deltas"]["d_hm"]
+        return delta["low"], delta["high"]
+
+    first = interval("--seed", 0, "--resamples", 30)
+    assert interval("--seed", 0, "--resamples", 30) == first
+    assert interval("--seed", 5, "--resamples", 30) != first
+    assert interval("--seed", 0, "--resamples", 31) != first
+
+
+def test_a_systems_interval_does_not_depend_on_the_others():
+    alone = compare_systems(table(HUMAN), [], {"zero": (table(ZERO), STORIES), "tuned": (table(TUNED), STORIES)},
+                            baseline="zero", resamples=50)
+    more = compare_systems(table(HUMAN), [], {"zero": (table(ZERO), STORIES), "other": (table(HUMAN), STORIES),
+                                              "tuned": (table(TUNED), STORIES)}, baseline="zero", resamples=50)
+    assert alone.systems[1].deltas == more.systems[2].deltas
+    assert system_seed(0, "a") != system_seed(0, "b") and system_seed(2**32 - 1, "a") < 2**32

@@ -210,3 +210,28 @@ def test_a_story_file_without_its_sidecar_is_one_line(vlms, tmp_path):
     result = kl_cli(stories, "--reference", vlms[1], "-o", tmp_path / "kl.csv")
     assert result.exit_code != 0 and "s.meta.json: cannot read the sidecar" in result.output
     assert not (tmp_path / "kl.csv").exists()
+
+
+def test_data_image_root_and_precision_options(vlms, generated):
+    """--data/--image-root: other images for the same story ids change the
+    KL; --precision bf16 stays close to the run's fp32."""
+    import shutil
+
+    from PIL import Image
+
+    root, stories = generated
+    base = root / "base.csv"
+    assert kl_cli(stories, "--reference", vlms[1], "-o", base, "-q").exit_code == 0
+    other = root / "other_images"
+    shutil.copytree(root / "images", other)
+    for path in other.glob("*.jpg"):
+        Image.new("RGB", (32, 24), (250, 10, 10)).save(path)
+    moved = root / "moved.csv"
+    result = kl_cli(stories, "--reference", vlms[1], "--data", root / "sis.json", "--image-root", other, "-o", moved,
+                    "-q")
+    assert result.exit_code == 0, result.output
+    assert all(rows(moved)[k] != pytest.approx(rows(base)[k]) for k in "01")
+    low = root / "bf16.csv"
+    result = kl_cli(stories, "--reference", vlms[1], "--precision", "bf16", "-o", low, "-q")
+    assert result.exit_code == 0, result.output
+    assert [rows(low)[k] for k in "01"] == pytest.approx([rows(base)[k] for k in "01"], rel=0.1, abs=0.05)

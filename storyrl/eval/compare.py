@@ -9,7 +9,8 @@ stories' scores (:func:`compare_systems`):
   dimension: per story id scored in both systems, system - baseline, the
   mean and a percentile bootstrap interval over the story ids
   (:func:`paired_difference`; the ids are resampled, so the interval is
-  over sequences, not over training seeds);
+  over sequences, not over training seeds; each system draws with its own
+  seed, :func:`system_seed`);
 * each metric's mean score, and the mean of any other column of the
   system's tables (``kl``: ``storyrl kl``'s KL to the start policy);
 * story statistics (:func:`story_statistics`): sentences and words per
@@ -32,7 +33,7 @@ from storyrl.data import ScoreTable
 from storyrl.eval.dhm import DHM_DIMENSIONS, DhmResult, dhm
 
 __all__ = ["Comparison", "SystemResult", "compare_systems", "comparison_markdown", "paired_difference",
-           "story_statistics"]
+           "story_statistics", "system_seed"]
 
 
 def paired_difference(after: Mapping[str, float], before: Mapping[str, float], *, resamples: int = 2000,
@@ -53,6 +54,14 @@ def paired_difference(after: Mapping[str, float], before: Mapping[str, float], *
     tail = (1 - level) / 2 * 100
     return {"delta": float(diff.mean()), "low": float(np.percentile(means, tail)),
             "high": float(np.percentile(means, 100 - tail)), "n": len(shared)}
+
+
+def system_seed(seed: int, name: str) -> int:
+    """The bootstrap seed of system ``name``: its own, so that adding or
+    reordering systems leaves every other system's interval as it was."""
+    import zlib
+
+    return (seed + zlib.crc32(name.encode("utf-8"))) % 2**32
 
 
 def story_statistics(stories: Sequence[str]) -> dict[str, float]:
@@ -152,13 +161,13 @@ def compare_systems(human: ScoreTable, human_stories: Sequence[str],
     results = {name: dhm(human, table, list(metrics)) for name, (table, _) in systems.items()}
     base = _per_story(results[baseline]) if baseline is not None else None
     out = []
-    for k, (name, (table, stories)) in enumerate(systems.items()):
+    for name, (table, stories) in systems.items():
         result = results[name]
         deltas = {}
         if base is not None and name != baseline:
             mine = _per_story(result)
-            # one seed per system, so adding a system does not change another's interval
-            deltas = {key: paired_difference(mine[key], base[key], resamples=resamples, seed=seed + k, level=level)
+            deltas = {key: paired_difference(mine[key], base[key], resamples=resamples,
+                                             seed=system_seed(seed, name), level=level)
                       for key in ("d_hm", *result.distances)}
         out.append(SystemResult(name, len(stories), result.n, result.d_hm, dict(result.distances), deltas,
                                 _column_means(table), story_statistics(list(stories.values()))))
