@@ -34,9 +34,12 @@ def _pages() -> list[str]:
     return sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 
 
-def test_readme_is_short():
+def test_readme_is_short_and_its_links_exist():
     lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move content to docs/ (at most 200)"
+    # Its links into docs/ (relative, as GitHub shows them) point at pages that exist.
+    links = re.findall(r"\]\((docs/[^)#\s]+)", "\n".join(lines))
+    assert links and [link for link in links if not (ROOT / link).is_file()] == [], "README links to missing docs pages"
 
 
 def test_every_page_is_in_the_nav_and_every_nav_entry_exists():
