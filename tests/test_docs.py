@@ -6,6 +6,7 @@ them."""
 
 from __future__ import annotations
 
+import html as html_text
 import re
 from pathlib import Path
 
@@ -101,6 +102,13 @@ def test_cli_reference_covers_every_command_and_option():
             if isinstance(param, click.Option) and not param.hidden:
                 assert param.opts[0] in section, f"{' '.join(path)}: {param.opts[0]} is not in its CLI reference section"
 
+        # the command's whole help (a trainer's output layout too), not only its one-line summary
+        # (as --help prints it: the last paragraph above "Options:")
+        description = command.get_help(sub_ctx).split("\nOptions:")[0].strip().split("\n\n")[-1]
+        # compared without whitespace: --help wraps (and breaks hyphenated words) where the page does not
+        rendered = re.sub(r"\s+", "", html_text.unescape(re.sub(r"<[^>]+>", "", section)))
+        assert "".join(description.replace("`", "").split()[-8:]) in rendered, (
+            f"{' '.join(path)}: its --help text is not in its CLI reference section")
 
 # A table row whose cells (after the first) hold a measured or computed
 # number: 0.1796, 2.9×, 35 min, 14 GiB, 1e-9, 1,172 (a bare small integer

@@ -49,9 +49,16 @@ class _TrainCommand(GeneratedOptionsCommand):
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
         return [*self._trainer_params(), *super().get_params(ctx)]
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        self.help = self._help_text()
-        super().format_help(ctx, formatter)
+    # A property, not set in format_help: every reader of ``help`` (--help, mkdocs-click's CLI
+    # reference) gets the full text; listing the commands reads only ``short_help``.
+    @property
+    def help(self) -> str | None:
+        help_text = getattr(self, "_help_text", None)
+        return help_text() if help_text is not None else self._plain_help
+
+    @help.setter
+    def help(self, value: str | None) -> None:
+        self._plain_help = value
 
 
 def _refuse_locked(config_path, overrides: dict) -> None:
