@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from click.testing import CliRunner
 
 from storyrl.cli import main
 from storyrl.data import ScoreTable
-from storyrl.eval.compare import compare_systems, paired_difference, story_statistics, system_seed
+from storyrl.eval.compare import (compare_systems, comparison_markdown, paired_difference, story_statistics,
+                                  system_seed)
 
 HUMAN = {"groovist": {"a": 0.5, "b": -0.2, "c": 1.5, "d": 0.1},
          "coherence": {"a": 0.9, "b": 0.8, "c": 0.85, "d": 0.7},
@@ -27,6 +29,8 @@ TUNED = {"groovist": {"a": 0.45, "b": -0.1, "c": 1.0, "d": 0.2},
          "repetition": {"a": 0.93, "b": 0.91, "c": 0.9, "d": 0.97},
          "kl": {"a": 1.5, "b": 2.5, "c": math.nan, "d": 0.5}}
 STORIES = {"a": "A dog ran. A dog sat.", "b": "", "c": "One.", "d": "We went home. It rained. We slept."}
+#: a system d_HM can count no story of (no finite coherence): NaN d_HM, no shared id with a baseline
+NONE = {**ZERO, "coherence": {k: math.nan for k in "abcd"}}
 
 
 def table(columns: dict) -> ScoreTable:
@@ -73,6 +77,9 @@ def test_story_statistics_by_hand():
     assert got["distinct_2"] == pytest.approx(len(set(bigrams)) / len(bigrams))
     assert got["one_sentence"] == pytest.approx(2 / 4) and got["empty"] == pytest.approx(1 / 4)
     assert all(math.isnan(v) for v in story_statistics([]).values())
+    # distinct-n is over lower-cased words: "The" and "the" are one word (the dog ran . the dog sat .)
+    cased = story_statistics(["The dog ran. the dog sat."])
+    assert cased["distinct_1"] == pytest.approx(5 / 8) and cased["distinct_2"] == pytest.approx(6 / 7)
 
 
 def per_story_dhm(human: dict, model: dict, ids, metrics) -> dict[str, dict[str, float]]:
@@ -121,6 +128,63 @@ def test_compare_systems_against_a_plain_computation(metrics):
     assert got.human["means"]["repetition"] == pytest.approx(np.mean(list(HUMAN["repetition"].values())))
 
 
+def test_default_metrics_are_the_columns_every_table_has():
+    """A system without a groovist column: d_HM falls back to the columns all tables share."""
+    partial = {m: v for m, v in TUNED.items() if m != "groovist"}
+    got = compare_systems(table(HUMAN), [], {"zero": (table(ZERO), STORIES), "tuned": (table(partial), STORIES)},
+                          baseline="zero", resamples=20)
+    assert got.metrics == ["coherence", "repetition"]
+    ref = per_story_dhm(HUMAN, partial, "abcd", got.metrics)["d_hm"]
+    assert got.systems[1].d_hm == pytest.approx(sum(ref.values()) / len(ref))
+
+
+def markdown_tables(text: str) -> list[list[dict[str, str]]]:
+    """Each Markdown table of ``text`` as rows {header: cell}; every row has as many cells as the header."""
+    tables, header = [], None
+    for line in text.splitlines() + [""]:
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip()[1:-1].split("|")]
+        if header is None:
+            header = cells
+            assert len(set(header)) == len(header), f"a column twice: {header}"
+            tables.append([])
+        elif not set(line) <= set("|-"):
+            assert len(cells) == len(header), f"{cells} under {header}"
+            tables[-1].append(dict(zip(header, cells)))
+    return tables
+
+
+def interval(cell: str) -> list[float]:
+    return [float(x) for x in re.findall(r"[+-]\d+\.\d+", cell)]
+
+
+def test_markdown_cells_are_the_comparisons_figures():
+    systems = {"zero": (table(ZERO), STORIES), "tuned": (table(TUNED), STORIES), "none": (table(NONE), STORIES)}
+    got = compare_systems(table(HUMAN), list(STORIES.values()), systems, baseline="zero", resamples=50)
+    text = comparison_markdown(got)
+    tables = markdown_tables(text)
+    assert len(tables) == 2  # per system, then each dimension's paired difference
+    main, dims = ({row["system"]: row for row in t} for t in tables)
+    assert list(main) == ["human", "zero", "tuned", "none"] and list(dims) == ["tuned", "none"]  # no baseline row
+    delta = "Δ d_HM vs zero [95% CI]"
+    zero, tuned, none = got.systems
+    assert main["zero"][delta] == "" and interval(main["tuned"][delta]) == pytest.approx(
+        [tuned.deltas["d_hm"][k] for k in ("delta", "low", "high")], abs=5e-5)
+    for dim in ("grounding", "coherence", "repetition"):
+        assert float(main["tuned"][f"d {dim}"]) == pytest.approx(tuned.distances[dim], abs=5e-5)
+        assert interval(dims["tuned"][f"Δ d {dim} [95% CI]"]) == pytest.approx(
+            [tuned.deltas[dim][k] for k in ("delta", "low", "high")], abs=5e-5)
+        assert dims["none"][f"Δ d {dim} [95% CI]"] == "–"
+    assert float(main["tuned"]["kl"]) == pytest.approx(1.5) and float(main["human"]["coherence"]) == pytest.approx(
+        np.mean(list(HUMAN["coherence"].values())), abs=5e-4)
+    # what is not a number is a dash, never nan: no countable story, no shared id with the baseline
+    assert math.isnan(none.d_hm) and none.deltas["d_hm"]["n"] == 0
+    assert main["none"]["d_HM"] == "–" and main["none"][delta] == "–" and main["none"]["d grounding"] == "–"
+    assert not [c for t in tables for row in t for c in row.values() if "nan" in c.lower()]
+
+
 def test_no_baseline_no_differences_and_bad_names():
     systems = {"zero": (table(ZERO), STORIES)}
     assert compare_systems(table(HUMAN), [], systems).systems[0].deltas == {}
@@ -150,6 +214,7 @@ def files(tmp_path):
     kl = {"kl": TUNED["kl"]}
     tuned = {k: v for k, v in TUNED.items() if k != "kl"}
     return {"dir": tmp_path, "human": [str(human_stories), csv("human.csv", HUMAN)],
+            "none": ["none", str(zero_stories), csv("none.csv", NONE)],
             "zero": ["zero", str(zero_stories), csv("zero.csv", ZERO)],
             "tuned": ["tuned", str(zero_stories), csv("tuned.csv", tuned)], "kl": ["tuned", csv("kl.csv", kl)]}
 
@@ -194,6 +259,62 @@ def test_bad_options_are_one_line(files, extra, message):
     result = invoke("--human", *files["human"], "--system", *files["zero"], *extra, "-o", files["dir"] / "r.md")
     assert result.exit_code != 0 and message in result.output
     assert len([line for line in result.output.splitlines() if line.startswith("Error")]) == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-o", "r.txt"], "--out r.txt: the tables are Markdown; name it *.md"),
+    (["-o", "r.md", "--json", "r.txt"], "--json r.txt: name it *.json"),
+    (["--system", "a|b", "@stories", "@scores", "-o", "r.md"], "a name must be non-empty text without '|'"),
+])
+def test_output_suffixes_and_system_names_are_checked(files, args, message):
+    args = [files["zero"][1] if a == "@stories" else files["zero"][2] if a == "@scores" else a for a in args]
+    args = [files["dir"] / a if a.startswith("r.") else a for a in args]
+    result = invoke("--human", *files["human"], "--system", *files["zero"], *args)
+    assert result.exit_code == 2 and message in result.output.replace(str(files["dir"]) + "/", "")
+    assert not list(files["dir"].glob("r.*"))
+
+
+@pytest.mark.parametrize("clash", ["out is a --scores file", "json is a story file", "json exists"])
+def test_no_output_replaces_an_input_or_an_existing_file(files, clash):
+    """--out and --json are checked against every input (--scores included) and, without --overwrite, against
+    existing files, before anything is written."""
+    scores_md = files["dir"] / "kl.md"  # read_scores takes any name but .json as CSV
+    scores_md.write_text((files["dir"] / "kl.csv").read_text())
+    out, js = files["dir"] / "r.md", files["dir"] / "r.json"
+    flags = ["--overwrite"]
+    if clash == "out is a --scores file":
+        out = scores_md
+    elif clash == "json is a story file":
+        js = files["dir"] / "zero.json"
+    else:
+        js.write_text("{}\n")
+        flags = []
+    before = {p: p.read_text() for p in files["dir"].iterdir()}
+    result = invoke("--human", *files["human"], "--system", *files["zero"], "--system", *files["tuned"],
+                    "--scores", "tuned", scores_md, "-o", out, "--json", js, *flags)
+    assert result.exit_code != 0
+    assert ("is also an input file" if flags else "exists: use --overwrite") in result.output
+    assert {p: p.read_text() for p in files["dir"].iterdir()} == before  # nothing written, nothing replaced
+
+
+def strict_json(text: str):
+    def refuse(name):
+        raise AssertionError(f"{name} in the JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_has_no_nan_and_a_run_nothing_counts_in_fails(files):
+    out, js = files["dir"] / "r.md", files["dir"] / "r.json"
+    result = invoke("--human", *files["human"], "--system", *files["zero"], "--system", *files["none"],
+                    "--resamples", 20, "-o", out, "--json", js)
+    assert result.exit_code == 0, result.output
+    data = strict_json(js.read_text())
+    none = data["systems"][1]
+    assert none["n"] == 0 and none["d_hm"] is None and none["deltas"]["d_hm"]["delta"] is None
+    assert strict_json(result.stdout.strip().splitlines()[-1])["none"] is None
+    alone = invoke("--human", *files["human"], "--system", *files["none"], "-o", out, "--overwrite")
+    assert alone.exit_code != 0 and "no system has a story d_HM can count" in alone.output
 
 
 def test_a_score_file_that_is_no_score_table_is_named(files):

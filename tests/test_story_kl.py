@@ -4,8 +4,11 @@ start along its own stories, against a plainly written per-story loop
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import math
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -105,6 +108,31 @@ def test_sequence_kl_refuses_what_it_cannot_measure(vlms):
         sequence_kl(vlm.model, vlm.model, vlm.processor, prompts, images, STORIES)
     with pytest.raises(ValueError, match="batch_size"):
         sequence_kl(vlm.model, vlm.model, vlm.processor, prompts, images, STORIES[:1], batch_size=0)
+    right = copy.deepcopy(vlm.processor)  # the rows' ends must line up: a right-padding tokenizer is refused
+    right.tokenizer.padding_side = "right"
+    with pytest.raises(ValueError, match="must pad on the left"):
+        sequence_kl(vlm.model, vlm.model, right, prompts, images, STORIES[:1])
+    no_eos = copy.deepcopy(vlm.processor)
+    no_eos.tokenizer.eos_token = None
+    assert no_eos.tokenizer.eos_token_id is None
+    with pytest.raises(ValueError, match="no end-of-sequence token"):
+        sequence_kl(vlm.model, vlm.model, no_eos, prompts, images, STORIES[:1])
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_sequence_kl_in_half_precision_is_exact_on_the_models_logits(vlms, precision):
+    """In bf16/fp16 the models' logits are rounded, but the KL of those logits is computed in float32: it equals
+    the float64 loop on the same logits (upcast) to 1e-3, where softmax in half precision is 2-30% off."""
+    from storyrl.eval.story_kl import sequence_kl
+    from storyrl.models.vlm import load_vlm
+
+    low = [load_vlm(v, None, "cpu", precision) for v in vlms]
+    assert str(low[0].model.dtype) == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+    prompts, images = inputs(3)
+    got = sequence_kl(low[0].model, low[1].model, low[0].processor, prompts, images, STORIES[:3], batch_size=3)
+    want = [reference_kl(low[0].model, low[1].model, low[0].processor, p, i, s)
+            for p, i, s in zip(prompts, images, STORIES[:3])]
+    assert got == pytest.approx(want, rel=1e-3)
 
 
 @pytest.mark.parametrize("meta, message", [
@@ -198,10 +226,104 @@ def test_resume_keeps_rows_and_outputs_are_guarded(vlms, generated):
     out.write_text("\n".join(lines[:2]) + "\n")  # a run killed after its first row
     result = kl_cli(stories, "--reference", vlms[1], "-o", out, "-q", "--resume")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout.strip().splitlines()[-1])["stories"] == 2
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["stories"] == 2 and summary["resumed"] == 1  # rows kept from OUT, not rows measured now
     assert rows(out) == pytest.approx(rows(full), nan_ok=True)
     refused = kl_cli(stories, "--reference", vlms[1], "-o", out)
     assert refused.exit_code != 0 and "exists" in refused.output
+    replaced = kl_cli(stories, "--reference", vlms[1], "-o", out, "-q", "--overwrite")
+    assert replaced.exit_code == 0, replaced.output
+    assert json.loads(replaced.stdout.strip().splitlines()[-1])["resumed"] == 0
+    assert rows(out) == pytest.approx(rows(full), nan_ok=True)
+
+
+def test_device_precision_and_batch_size_reach_both_models(vlms, generated, monkeypatch):
+    """--device and --precision load both models (the reference too) as asked; the inputs go to the policy's
+    device; --batch-size is the stories per forward pass. Seen by a spy around sequence_kl."""
+    import torch
+
+    import storyrl.eval.story_kl as module
+
+    real, calls = module.sequence_kl, []
+
+    def spy(*args, **kwargs):
+        bound = inspect.signature(real).bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        calls.append({"policy": a["policy"].dtype, "reference": a["reference"].dtype, "device": a["device"],
+                      "batch_size": a["batch_size"], "stories": len(a["stories"])})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "sequence_kl", spy)
+    root, stories = generated
+    out = root / "spied.csv"
+    result = kl_cli(stories, "--reference", vlms[1], "-o", out, "-q", "--device", "cpu:0", "--precision", "bf16",
+                    "--batch-size", 2)
+    assert result.exit_code == 0, result.output
+    assert [c["stories"] for c in calls] == [2, 1] and {c["batch_size"] for c in calls} == {2}
+    for c in calls:
+        assert c["policy"] == c["reference"] == torch.bfloat16
+        assert torch.device(c["device"]) == torch.device("cpu", 0)  # cpu:0, not the default "cpu"
+    assert all(math.isfinite(rows(out)[k]) for k in "01")
+
+
+def copied_run(generated, directory, name: str, edit=None):
+    """The generated story file and its sidecar under another name, the sidecar edited by ``edit(meta)``."""
+    root, stories = generated
+    target = directory / name
+    shutil.copy(stories, target)
+    meta = json.loads((root / "stories.meta.json").read_text())
+    if edit is not None:
+        edit(meta)
+    (directory / f"{target.stem}.meta.json").write_text(json.dumps(meta))
+    return target
+
+
+def one_line_error(result, *parts):
+    assert result.exit_code != 0 and isinstance(result.exception, SystemExit), result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and all(p in errors[0] for p in parts), result.output
+
+
+def test_option_and_input_errors_are_one_line_before_any_model(vlms, generated, tmp_path):
+    root, stories = generated
+    other = tmp_path / "other.json"  # records of other story ids: --data is read, not the sidecar's data file
+    other.write_text(json.dumps({"x": "a story"}))
+    one_line_error(kl_cli(stories, "--reference", vlms[1], "--data", other, "-o", tmp_path / "a.csv"),
+                   "story '0' is not in the data (3 stories are not)")
+    one_line_error(kl_cli(stories, "--reference", vlms[1], "--data-format", "vwp", "-o", tmp_path / "b.csv"),
+                   "is not in the data")  # a VIST SIS file read as VWP holds none of the story ids
+    one_line_error(kl_cli(stories, "--reference", vlms[1], "-o", tmp_path / "kl.txt"), "name it *.csv")
+    assert not list(tmp_path.glob("[ab].csv")) and not (tmp_path / "kl.txt").exists()
+
+
+def test_out_may_not_be_the_story_file(vlms, generated, tmp_path):
+    """A story file named *.csv given as OUT too is refused, --overwrite or not."""
+    stories = copied_run(generated, tmp_path, "stories.csv")
+    before = stories.read_text()
+    one_line_error(kl_cli(stories, "--reference", vlms[1], "-o", stories, "--overwrite"), "is also an input file")
+    assert stories.read_text() == before
+
+
+@pytest.mark.parametrize("key, value", [("options", [1]), ("inputs", ["sis.json"]), ("inputs", {"data": 5})])
+def test_a_sidecar_of_the_wrong_shape_is_one_line(vlms, generated, tmp_path, key, value):
+    stories = copied_run(generated, tmp_path, "s.json", lambda meta: meta.update({key: value}))
+    one_line_error(kl_cli(stories, "--reference", vlms[1], "-o", tmp_path / "kl.csv"), "s.meta.json", key)
+
+
+def test_a_type_error_while_loading_is_one_line(vlms, generated, tmp_path, monkeypatch):
+    """A library's TypeError (e.g. a keyword an older transformers does not take) ends in one line, not a
+    traceback."""
+    import storyrl.models.vlm as vlm_module
+
+    def old_library(*args, **kwargs):
+        raise TypeError("__init__() got an unexpected keyword argument 'dtype'")
+
+    monkeypatch.setattr(vlm_module, "_load", old_library)
+    result = kl_cli(generated[1], "--reference", tmp_path / "never_loaded", "-o", tmp_path / "kl.csv", "-q")
+    one_line_error(result, "unexpected keyword argument 'dtype'")
+    # the command's own line: the CLI's last resort (an error no command expected) would add "TypeError: "
+    assert "Error: __init__() got an unexpected keyword argument 'dtype'" in result.output.splitlines()
 
 
 def test_a_story_file_without_its_sidecar_is_one_line(vlms, tmp_path):

@@ -48,7 +48,7 @@ def kl(stories, reference, policy, data, data_format, image_root, out, batch_siz
     from storyrl.data import ScoreWriter, StoryDataError, load_stories
     from storyrl.datasets import load_records
     from storyrl.eval.story_kl import KL_COLUMN, prompting_options, story_kl
-    from storyrl.generators.runs import sidecar_path
+    from storyrl.generators.runs import check_sidecar, sidecar_path
     from storyrl.output_files import OutputError
 
     if resume and overwrite:
@@ -58,17 +58,25 @@ def kl(stories, reference, policy, data, data_format, image_root, out, batch_siz
     meta_path = sidecar_path(stories)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if not isinstance(meta, dict):
-            raise ValueError("not a JSON object")
-        options = prompting_options(meta)
     except OSError as exc:
         _fail(f"{meta_path}: cannot read the sidecar of {stories} ({exc.strerror or exc}); KL needs the prompts "
               "`storyrl generate` recorded there")
     except ValueError as exc:
         _fail(f"{meta_path}: {exc}")
-    data = data if data is not None else (meta.get("inputs") or {}).get("data")
-    if not data:
-        _fail(f"{meta_path}: records no data file; give --data")
+    try:
+        meta = check_sidecar(meta_path, meta)  # its message names the file
+    except ValueError as exc:
+        _fail(str(exc))
+    try:
+        options = prompting_options(meta)
+    except ValueError as exc:
+        _fail(f"{meta_path}: {exc}")
+    if data is None:
+        data = (meta.get("inputs") or {}).get("data")
+        if not data:
+            _fail(f"{meta_path}: records no data file; give --data")
+        if not isinstance(data, str):
+            _fail(f"{meta_path}: the inputs' data must be a file name, got {json.dumps(data)}")
     options.update({k: v for k, v in (("image_root", None if image_root is None else str(image_root)),
                                       ("device", device), ("precision", precision)) if v is not None})
     _check_outputs({"--out": out}, [stories, data, meta_path], "keep" if resume or overwrite else "refuse")
