@@ -145,3 +145,18 @@ def test_readme_commands_are_ci_and_quickstart_commands():
         assert f"{install} && bash examples/run.sh" in text and tests in text
     assert f"{install} ||" in ci  # .ci/run: README (a)'s install, then (b)
     assert re.search(r"^python -m pytest -q$", ci, re.M) and re.search(r"^mkdocs build --strict$", ci, re.M)
+
+
+def test_no_help_text_shows_an_unset_bound_or_sentinel():
+    """Every command's --help (what the CLI reference shows): no "x<=None"
+    from an unbounded FloatRange, no click Sentinel default."""
+    from storyrl.cli import main
+
+    ctx = click.Context(main, info_name="storyrl")
+    for path in _command_paths(main, ("storyrl",), ctx):
+        command, sub_ctx = main, ctx
+        for name in path[1:]:
+            command = command.get_command(sub_ctx, name)
+            sub_ctx = click.Context(command, parent=sub_ctx, info_name=name)
+        text = command.get_help(sub_ctx)
+        assert not re.search(r"[<>]=?None\b|None<=?|Sentinel", text), f"{' '.join(path)} --help: {text}"

@@ -16,6 +16,9 @@ TOKEN_ENV = "STORYRL_SERVE_TOKEN"
 class _Finite(click.FloatRange):
     """A float range that refuses inf and nan (nan passes every bound)."""
 
+    def _describe_range(self) -> str:  # unbounded: the help would read "x<=None"
+        return "finite" if self.min is None and self.max is None else super()._describe_range()
+
     def convert(self, value, param, ctx):
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
