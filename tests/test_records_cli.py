@@ -79,8 +79,8 @@ def test_nothing_readable_is_one_line_and_writes_nothing(vist):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-o", "x.json"], "records are JSONL"),
-    (["-o", "{dir}/r.jsonl", "--image-ids-out", "ids.txt"], "an image-id map is JSON"),
+    (["-o", "{dir}/x.json"], "records are JSONL"),  # under tmp_path, never the working directory
+    (["-o", "{dir}/r.jsonl", "--image-ids-out", "{dir}/ids.txt"], "an image-id map is JSON"),
     (["-o", "{dir}/sis.json.jsonl", "--workers", "0"], "--workers"),
 ])
 def test_bad_options(vist, args, message):
