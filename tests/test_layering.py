@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -329,3 +330,30 @@ def test_every_public_integrations_name_is_the_scoring_modules():
     assert pkg.CONTEXT_KEYS is CONTEXT_KEYS
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         pkg.nothing  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["storyrl.training", "storyrl.training.storyteller", "storyrl.training.judges"])
+def test_every_name_a_package_exports_is_importable(package):
+    """``from package import *`` works: each name of ``__all__`` is there (the
+    storyteller package re-exports config.py's names after the split)."""
+    module = importlib.import_module(package)
+    missing = [name for name in getattr(module, "__all__", []) if not hasattr(module, name)]
+    assert not missing, f"{package}.__all__ names {missing}, which it does not define"
+    namespace: dict = {}
+    exec(f"from {package} import *", namespace)  # noqa: S102 - the statement under test
+    assert set(getattr(module, "__all__", [])) <= set(namespace)
+
+
+def test_each_trainers_help_names_a_config_file_that_exists():
+    from click.testing import CliRunner
+
+    from storyrl.cli import main
+    from storyrl.training import TRAINERS
+
+    for name in TRAINERS:
+        result = CliRunner().invoke(main, ["train", name, "--help"])
+        assert result.exit_code == 0, result.output
+        named = re.findall(r"configs/[\w/.-]+?\.yaml", " ".join(result.output.split()))
+        assert named, f"storyrl train {name} --help names no config file"
+        for path in named:
+            assert (ROOT.parent / path).is_file(), f"storyrl train {name} --help names {path}, which is not there"
