@@ -98,13 +98,30 @@ def read_vist_sis(path: str | os.PathLike) -> dict[str, list[dict]]:
             for key in ("story_id", "photo_flickr_id", "worker_arranged_photo_order", "text"):
                 if key not in item:
                     raise StoryDataError(path, f"missing field '{key}'", f"annotations[{k}]")
+            if _photo_order(item["worker_arranged_photo_order"]) is None:
+                raise StoryDataError(path, f"worker_arranged_photo_order {item['worker_arranged_photo_order']!r} "
+                                           "is not an integer", f"annotations[{k}]")
             storylets[str(item["story_id"])].append(item)
     for story_id, items in storylets.items():
-        items.sort(key=lambda it: int(it["worker_arranged_photo_order"]))
-        orders = [int(it["worker_arranged_photo_order"]) for it in items]
+        items.sort(key=lambda it: _photo_order(it["worker_arranged_photo_order"]))
+        orders = [_photo_order(it["worker_arranged_photo_order"]) for it in items]
         if orders != list(range(len(items))):
             raise StoryDataError(path, f"photo orders {orders} are not 0..{len(items) - 1}", repr(story_id))
     return dict(storylets)
+
+
+def _photo_order(value) -> int | None:
+    """A photo order as an int (VIST writes ints; "3" and 3.0 read as 3), or
+    None when it is no whole number (1.5 is refused, never rounded)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        return int(value)
+    return None
 
 
 def vist_sis_records(storylets: dict[str, list[dict]]) -> list[StoryRecord]:

@@ -153,3 +153,16 @@ def test_upper_case_json_image_id_map_is_accepted(photos, tmp_path):
                     tmp_path / "IDS.JSON", "-q")
     assert result.exit_code == 0, result.output
     assert json.loads((tmp_path / "IDS.JSON").read_text()) == {"s0": ["0"], "s1": ["1"]}
+
+
+@pytest.mark.parametrize("order", ["first", None, [1], 1.5])
+def test_a_non_integer_photo_order_is_one_line_naming_the_file_and_record(tmp_path, order):
+    annotations = [[{"story_id": "7", "photo_flickr_id": str(k), "worker_arranged_photo_order": k, "text": "x"}]
+                   for k in range(2)]
+    annotations[1][0]["worker_arranged_photo_order"] = order
+    (tmp_path / "sis.json").write_text(json.dumps({"annotations": annotations}))
+    result = invoke(tmp_path / "sis.json", "-o", tmp_path / "r.jsonl")
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and str(tmp_path / "sis.json") in lines[0] and "annotations[1]" in lines[0]
+    assert "worker_arranged_photo_order" in lines[0] and repr(order) in lines[0]
