@@ -414,3 +414,29 @@ def test_the_readme_shows_run_sh_commands():
     for command in ("records", "train coherence", "score", "generate", "dhm", "train sft", "kl", "train rl",
                     "pairs", "train dpo", "compare"):
         assert f"storyrl {command}" in text and f"storyrl {command}" in run, command
+
+
+@pytest.mark.slow
+def test_the_training_reward_prefers_the_human_story(recipe):
+    """dhm.yaml as trained against (its coherence model is the recipe's own):
+    a story equal to its sequence's human story is at distance 0, the best
+    score; an unrelated story scores lower (a flipped sign would rank it higher)."""
+    from storyrl.rewards import load_reward_config
+
+    root = recipe["root"]
+    record = json.loads((root / "data/vist/records/test.jsonl").read_text().splitlines()[0])
+    images = [str(root / "data/vist/images/test" / f"{i}.jpg") for i in record["image_ids"]]
+    unrelated = "the car went home . kids ate the cake in the snow . a tree fell on the family ."
+    before = os.environ.get("STORYRL_CACHE")
+    os.environ["STORYRL_CACHE"] = str(Path(recipe["base"]).parent / "storyrl_cache")
+    try:
+        with running_in(root):
+            reward = load_reward_config("examples/llava_next_vist/dhm.yaml")
+            human, other = reward.score([record["story"], unrelated], reference=[record["story"]] * 2,
+                                        images=[images, images])
+    finally:
+        if before is None:
+            os.environ.pop("STORYRL_CACHE", None)
+        else:
+            os.environ["STORYRL_CACHE"] = before
+    assert human == pytest.approx(0.0, abs=1e-9) and other < human - 1e-6, (human, other)

@@ -96,9 +96,10 @@ def test_the_models_later_steps_load_are_merged_full_weights():
 
 
 def test_dhm_yaml_is_minus_the_distance_along_all_three_dimensions():
-    # Pinned rather than scored: a direction check needs the grounding model
-    # (CLIP + spaCy) and a trained RoViST-C; the paper's d_HM is a distance
-    # (0 best), so the reward is its negative along all three dimensions.
+    # The direction is also scored on tiny models (test_example_llava_next_vist::
+    # test_the_training_reward_prefers_the_human_story); the dimensions are
+    # pinned: d_HM is the paper's distance along all three, a dropped one
+    # would still rank the human story first.
     dhm = _yaml("dhm.yaml")
     assert dhm["reward"] == "dhm" and dhm["sign"] == -1
     assert dhm["dimensions"] == ["grounding", "coherence", "repetition"]
