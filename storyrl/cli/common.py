@@ -31,9 +31,20 @@ def _metric_list(value: str | None) -> list[str]:
     return [m.strip() for m in (value or "").split(",") if m.strip()]
 
 
+def _finite(value):
+    """``value`` with NaN and infinities (not JSON) as None, inside dicts and lists too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _json(summary: dict) -> str:
     """One JSON line; NaN and infinities (not JSON) become null."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in summary.items()})
+    return json.dumps(_finite(summary))
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from storyrl.cli.common import _check_outputs, _fail, _json, _metric_list
+from storyrl.cli.common import _check_outputs, _fail, _finite, _json, _metric_list
 
 _PATH = click.Path(exists=True, dir_okay=False)
 
@@ -104,15 +104,3 @@ def compare(human, systems, extra, baseline, metrics, resamples, seed, level, ou
     if not any(s.n for s in result.systems):
         _fail("no system has a story d_HM can count (every selected score finite for it and its human story)")
 
-
-def _finite(value):
-    """``value`` with NaN and infinities as None (JSON has neither)."""
-    import math
-
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
