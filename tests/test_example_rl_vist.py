@@ -129,36 +129,73 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     torch.manual_seed(0)
     coherence = CoherenceModel.from_config(AlbertConfig.from_pretrained(albert))
     coherence.eval().save_pretrained(tmp_path / "coherence", AutoTokenizer.from_pretrained(albert))
-    moved = tmp_path / "moved"
-    model = AutoModelForCausalLM.from_pretrained(policy)
-    with torch.no_grad():
-        model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
-    model.save_pretrained(moved)
-    tokenizer.save_pretrained(moved)
-    history = tmp_path / "runs" / "moved" / "history.jsonl"
-    history.parent.mkdir(parents=True)
-    history.write_text("".join(json.dumps({"step": s, "reward": 0.5 + 0.01 * s, "kl": 0.001 * s,
-                                           "entropy": 2.0, "story/distinct_2": 0.5}) + "\n" for s in range(1, 13)))
+    # Two seeds of a "trained" policy: the start with its head perturbed, as run.sh names them (RUN@SEED).
+    moved = {}
+    for seed in (0, 1):
+        moved[seed] = tmp_path / "runs" / f"moved@{seed}" / "final"
+        model = AutoModelForCausalLM.from_pretrained(policy)
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.lm_head.weight.add_(0.5 * torch.randn_like(model.lm_head.weight))
+        model.save_pretrained(moved[seed])
+        tokenizer.save_pretrained(moved[seed])
+        (moved[seed].parent / "history.jsonl").write_text("".join(
+            json.dumps({"step": s, "reward": 0.5 + 0.01 * s + seed, "kl": 0.001 * s, "entropy": 2.0,
+                        "story/distinct_2": 0.5}) + "\n" for s in range(1, 13)))
     out = tmp_path / "eval"
-    results = evaluate(data / "heldout.jsonl", {"start": str(policy), "moved": str(moved)}, str(tmp_path / "coherence"),
-                       out, samples=2, max_new_tokens=40, runs_dir=tmp_path / "runs")
-    start, moved_r = results["policies"]["start"], results["policies"]["moved"]
+    policies = {"start": str(policy), **{f"moved@{s}": str(d) for s, d in moved.items()}}
+    # run.sh's way: the start alone, then each policy in its own process (here: call), then all together
+    evaluate(data / "heldout.jsonl", {"start": str(policy)}, str(tmp_path / "coherence"), out, samples=2,
+             max_new_tokens=40, report=False)
+    assert sorted(p.name for p in (out / "policies").iterdir()) == ["start.json"] and not (out / "results.json").exists()
+    evaluate(data / "heldout.jsonl", {"start": str(policy), "moved@0": policies["moved@0"]},
+             str(tmp_path / "coherence"), out, samples=2, max_new_tokens=40, report=False)
+    assert sorted(p.name for p in (out / "policies").iterdir()) == ["moved@0.json", "start.json"]
+    cached = (out / "policies" / "moved@0.json").read_text()
+    results = evaluate(data / "heldout.jsonl", policies, str(tmp_path / "coherence"), out, samples=2,
+                       max_new_tokens=40, runs_dir=tmp_path / "runs")
+    assert (out / "policies" / "moved@0.json").read_text() == cached  # read back, not evaluated again
+    start, moved_r = results["policies"]["start"], results["policies"]["moved@0"]
     assert results["n_sequences"] == 4
     assert start["kl"] == pytest.approx(0.0, abs=1e-5) and moved_r["kl"] > 0.01
     assert start["delta"]["delta"] == 0.0
     assert start["n"] > 0 and math.isfinite(start["dhm"])  # the pretrained policy writes scorable stories
     assert start["dhm"] == pytest.approx((start["dhm_coherence"] + start["dhm_repetition"]) / 2)
     assert moved_r["training"]["reward_first"] == pytest.approx(0.555) and moved_r["training"]["steps"] == 12
+    assert results["policies"]["moved@1"]["training"]["reward_first"] == pytest.approx(1.555)
     assert "training" not in start or start["training"] is None
     assert len(_read(out / "stories" / "start.jsonl")) == 8
     assert 0.0 <= start["noun_recall"] <= 1.0
+    # per-sequence figures, the inputs of the seeds report's checks
+    stories = _read(out / "stories" / "moved@1.jsonl")
+    for k, record in enumerate(_read(data / "heldout.jsonl")):
+        mine = [s for s in stories if s["id"].split("#")[0] == record["story_id"]]
+        rep = [s["repetition"] for s in mine if s["repetition"] is not None]
+        if rep:
+            assert results["policies"]["moved@1"]["per_sequence_scores"]["repetition"][record["story_id"]] == \
+                pytest.approx(sum(rep) / len(rep))
+    dims = moved_r["per_sequence_dims"]
+    assert set(dims) == {"coherence", "repetition"}
+    for key, value in moved_r["per_sequence"].items():
+        assert value == pytest.approx((dims["coherence"][key] + dims["repetition"][key]) / 2)
     from evaluate import noun_recall
 
     assert noun_recall(["the dog ran to the park.", "a cat."], [["dog", "tree"], []]) == 0.5
     table = (out / "results.md").read_text()
-    assert "| human (held-out) |" in table and "| moved |" in table
+    assert "| human (held-out) |" in table and "| moved@1 |" in table
     assert (out / "results.png").stat().st_size > 1000
     assert json.loads((out / "results.json").read_text())["start"] == "start"
+
+    # The seeds report and the README block from these results
+    import report
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\nafter\n")
+    block = report.report(out / "results.json", out, readme=readme)
+    text = readme.read_text()
+    assert text.startswith(f"intro\n{report.BEGIN}\n") and text.endswith(f"{report.END}\nafter\n")
+    assert report.read_block(readme) == block and "| moved | 2 |" in block
+    assert (out / "results.png").stat().st_size > 1000 and json.loads((out / "seeds.json").read_text())["claims"]
 
 
 # The shipped results.png's figures (README table: d_HM coh., d_HM rep., d_HM, KL, delta [CI]).

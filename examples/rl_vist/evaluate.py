@@ -201,26 +201,20 @@ def dhm_figures(human: dict[str, dict[str, float]], model: dict[str, dict[str, f
     rows = list(next(iter(model.values())))
     human_rows = {m: {r: human[m][r.split("#")[0]] for r in rows} for m in DIMENSIONS}
     result = dhm(ScoreTable(list(rows), human_rows), ScoreTable(list(rows), model), list(DIMENSIONS))
-    per_sequence: dict[str, list[float]] = {}
     overall = sum(result.per_story[d] for d in result.per_story) / len(result.per_story)
-    for row, value in zip(result.story_ids, overall):
-        per_sequence.setdefault(row.split("#")[0], []).append(float(value))
     return {"n": result.n, "n_rows": len(rows), **{f"dhm_{d}": v for d, v in result.distances.items()},
-            "dhm": result.d_hm, "per_sequence": {k: sum(v) / len(v) for k, v in per_sequence.items()}}
+            "dhm": result.d_hm, "per_sequence": per_sequence_means(result.story_ids, overall),
+            "per_sequence_dims": {d: per_sequence_means(result.story_ids, result.per_story[d]) for d in DIMENSIONS}}
 
 
-def paired_delta(after: dict[str, float], before: dict[str, float], seed: int, resamples: int = 2000) -> dict:
-    """Mean of after - before over the shared sequences, with a 95% bootstrap interval."""
-    import numpy as np
-
-    shared = sorted(set(after) & set(before))
-    if not shared:
-        return {"delta": math.nan, "low": math.nan, "high": math.nan, "n": 0}
-    diff = np.array([after[k] - before[k] for k in shared])
-    rng = np.random.default_rng(seed)
-    means = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(axis=1)
-    return {"delta": float(diff.mean()), "low": float(np.percentile(means, 2.5)),
-            "high": float(np.percentile(means, 97.5)), "n": len(shared)}
+def per_sequence_means(rows: Sequence[str], values: Sequence[float]) -> dict[str, float]:
+    """{sequence: mean of its finite values} over row ids ``<story_id>#<sample>``; a sequence
+    with no finite value is left out (the paired differences skip it)."""
+    groups: dict[str, list[float]] = {}
+    for row, value in zip(rows, values):
+        if math.isfinite(float(value)):
+            groups.setdefault(row.split("#")[0], []).append(float(value))
+    return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
 # -- training logs -----------------------------------------------------------------------------
@@ -410,62 +404,107 @@ def plot(results: dict, path: Path) -> None:
 # -- main ----------------------------------------------------------------------------------
 
 
+def evaluate_policy(name: str, directory: str, records: Sequence[dict], scorer: Scorer, human: dict, start_model,
+                    samples: int, temperature: float, max_new_tokens: int, seed: int, stories_path: Path) -> dict:
+    """One policy's figures on ``records`` (its stories written to ``stories_path``)."""
+    began = time.time()
+    model, tokenizer = load_policy(directory)
+    prompts = chat_prompts(tokenizer, records)
+    rows, pairs = [], []
+    for j in range(samples):
+        got = generate(model, tokenizer, prompts, temperature, max_new_tokens, seed + j)
+        pairs += got
+        rows += [f"{r['story_id']}#{j}" for r in records]
+    texts = [tokenizer.decode(c, skip_special_tokens=True) for _, c in pairs]
+    kls = sequence_kl(model, start_model, pairs, temperature, tokenizer.pad_token_id)
+    scores = scorer(texts)
+    _write_text(stories_path, "".join(
+        json.dumps({"id": row, "story": text, "kl": kl,
+                    **{m: (v if math.isfinite(v) else None) for m, v in zip(DIMENSIONS, vals)}},
+                   ensure_ascii=False) + "\n"
+        for row, text, kl, *vals in zip(rows, texts, kls, *(scores[m] for m in DIMENSIONS))))
+    entry = dhm_figures(human, {m: dict(zip(rows, scores[m])) for m in DIMENSIONS})
+    entry.update({m: _mean(scores[m]) for m in DIMENSIONS})
+    entry["per_sequence_scores"] = {m: per_sequence_means(rows, scores[m]) for m in DIMENSIONS}
+    entry.update(story_figures(texts))
+    entry["per_sequence_sentences"] = per_sequence_means(rows, [story_figures([t])["sentences"] for t in texts])
+    entry["noun_recall"] = noun_recall(texts, [r["noun_phrases"] for _ in range(samples) for r in records])
+    entry["kl"] = sum(kls) / len(kls)
+    entry["directory"] = str(directory)
+    entry["eval_seconds"] = time.time() - began
+    return entry
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a killed evaluation leaves no half-written file to be reused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
 def evaluate(heldout, policies: dict[str, str], coherence_model: str, out_dir, samples: int = 2,
              temperature: float = 0.7, max_new_tokens: int = 96, seed: int = 0, runs_dir=None, times=None,
-             limit: int | None = None, label: str = "held-out") -> dict:
-    """Everything of the module docs; returns the results dict (also written to OUT_DIR)."""
+             limit: int | None = None, label: str = "held-out", report: bool = True) -> dict:
+    """Everything of the module docs; returns the results dict (also written to OUT_DIR).
+
+    Each policy's figures are kept in ``OUT_DIR/policies/NAME.json`` and reused
+    while the evaluation settings and the policy's directory are the same, so
+    policies can be evaluated by separate processes (``report=False``: only
+    those files) and then reported together; delete the file to evaluate a
+    policy again."""
+    from storyrl.eval.compare import paired_difference
+
     out_dir = Path(out_dir)
-    (out_dir / "stories").mkdir(parents=True, exist_ok=True)
     records = load_records(heldout)[:limit]
     scorer = Scorer(coherence_model)
     human_texts = [r["story"] for r in records]
     human_scores = scorer(human_texts)
     human = {m: dict(zip((r["story_id"] for r in records), human_scores[m])) for m in DIMENSIONS}
     human_summary = {m: _mean(human_scores[m]) for m in DIMENSIONS}
+    human_summary["per_sequence_scores"] = {m: {k: v for k, v in human[m].items() if math.isfinite(v)}
+                                            for m in DIMENSIONS}
     human_summary.update(story_figures(human_texts))
     # How well the coherence model tells order: the same stories with their sentences shuffled (seeded).
     human_summary["coherence_shuffled"] = _mean(scorer.rewards["coherence"].score(shuffled(human_texts, seed)))
     start_name = next(iter(policies))
-    start_model, _ = load_policy(policies[start_name])
+    start_model = None
     results = {"heldout": str(heldout), "label": label, "n_sequences": len(records), "samples": samples, "temperature": temperature,
                "max_new_tokens": max_new_tokens, "seed": seed, "start": start_name, "human": human_summary,
                "policies": {}, "times": read_times(times)}
+    settings = {"heldout": str(heldout), "sequences": [r["story_id"] for r in records], "samples": samples,
+                "temperature": temperature, "max_new_tokens": max_new_tokens, "seed": seed,
+                "coherence_model": str(coherence_model), "start": str(policies[start_name])}
     for name, directory in policies.items():
-        began = time.time()
-        model, tokenizer = load_policy(directory)
-        prompts = chat_prompts(tokenizer, records)
-        rows, pairs = [], []
-        for j in range(samples):
-            got = generate(model, tokenizer, prompts, temperature, max_new_tokens, seed + j)
-            pairs += got
-            rows += [f"{r['story_id']}#{j}" for r in records]
-        texts = [tokenizer.decode(c, skip_special_tokens=True) for _, c in pairs]
-        kls = sequence_kl(model, start_model, pairs, temperature, tokenizer.pad_token_id)
-        scores = scorer(texts)
-        with (out_dir / "stories" / f"{name}.jsonl").open("w", encoding="utf-8") as f:
-            for row, text, kl, *vals in zip(rows, texts, kls, *(scores[m] for m in DIMENSIONS)):
-                f.write(json.dumps({"id": row, "story": text, "kl": kl,
-                                    **{m: (v if math.isfinite(v) else None) for m, v in zip(DIMENSIONS, vals)}},
-                                   ensure_ascii=False) + "\n")
-        entry = dhm_figures(human, {m: dict(zip(rows, scores[m])) for m in DIMENSIONS})
-        entry.update({m: _mean(scores[m]) for m in DIMENSIONS})
-        entry.update(story_figures(texts))
-        entry["noun_recall"] = noun_recall(texts, [r["noun_phrases"] for _ in range(samples) for r in records])
-        entry["kl"] = sum(kls) / len(kls)
-        entry["directory"] = str(directory)
+        if not report and name == start_name and len(policies) > 1:
+            continue  # only the KL reference here: the start policy is evaluated on its own (run.sh does first)
+        cache = out_dir / "policies" / f"{name}.json"
+        cached = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else None
+        if cached is not None and cached.get("settings") == {**settings, "directory": str(directory)}:
+            entry = cached["entry"]
+            print(f"{name}: evaluated before ({cache})", flush=True)
+        else:
+            if start_model is None:
+                start_model, _ = load_policy(policies[start_name])
+            entry = evaluate_policy(name, directory, records, scorer, human, start_model, samples, temperature,
+                                    max_new_tokens, seed, out_dir / "stories" / f"{name}.jsonl")
+            _write_text(cache, json.dumps({"settings": {**settings, "directory": str(directory)}, "entry": entry})
+                        + "\n")
+            print(f"{name}: d_HM {entry['dhm']:.4f} (coherence {entry['dhm_coherence']:.4f}, repetition "
+                  f"{entry['dhm_repetition']:.4f}), KL {entry['kl']:.2f}, distinct-2 {entry['distinct_2']:.3f}, "
+                  f"sentences {entry['sentences']:.2f} ({entry['eval_seconds']:.0f} s)", flush=True)
         if runs_dir is not None:
             entry["training"] = training_figures(Path(runs_dir) / name / "history.jsonl")
         entry["seconds"] = results["times"].get(name)
-        entry["eval_seconds"] = time.time() - began
         results["policies"][name] = entry
-        print(f"{name}: d_HM {entry['dhm']:.4f} (coherence {entry['dhm_coherence']:.4f}, repetition "
-              f"{entry['dhm_repetition']:.4f}), KL {entry['kl']:.2f}, distinct-2 {entry['distinct_2']:.3f}, "
-              f"sentences {entry['sentences']:.2f} ({entry['eval_seconds']:.0f} s)", flush=True)
+    if not report:
+        return results
     start = results["policies"][start_name]["per_sequence"]
-    for j, (name, entry) in enumerate(results["policies"].items()):
-        entry["delta"] = paired_delta(entry["per_sequence"], start, seed + j)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    (out_dir / "results.md").write_text(markdown(results), encoding="utf-8")
+    for entry in results["policies"].values():
+        # The same resamples of the sequences for every policy (one seed), so intervals compare alike.
+        entry["delta"] = paired_difference(entry["per_sequence"], start, seed=seed)
+    _write_text(out_dir / "results.json", json.dumps(results, indent=1) + "\n")
+    _write_text(out_dir / "results.md", markdown(results))
     plot(results, out_dir / "results.png")
     return results
 
@@ -490,10 +529,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int)
     parser.add_argument("--label", default="held-out", help="what the sequences are, for the table and plot")
+    parser.add_argument("--no-report", action="store_true",
+                        help="only evaluate the policies into OUT/policies/NAME.json (reused by a later run)")
     args = parser.parse_args()
     policies = dict(p.split("=", 1) for p in args.policy)
     results = evaluate(args.heldout, policies, args.coherence_model, args.out, args.samples, args.temperature,
-                       args.max_new_tokens, args.seed, args.runs_dir, args.times, args.limit, args.label)
+                       args.max_new_tokens, args.seed, args.runs_dir, args.times, args.limit, args.label,
+                       report=not args.no_report)
+    if args.no_report:
+        print(f"evaluated: {', '.join(results['policies'])} into {args.out / 'policies'}")
+        return
     print((args.out / "results.md").read_text(encoding="utf-8"))
     print(f"written: {args.out / 'results.md'}, results.json, results.png ({len(results['policies'])} policies)")
 
