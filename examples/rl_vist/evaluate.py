@@ -37,6 +37,14 @@ also gets its training figures (mean reward, entropy, KL and distinct-2 over
 the first and last 10 logged steps); with ``--times`` (lines ``name<TAB>seconds``)
 the wall time of each step. Writes ``stories/NAME.jsonl``, ``results.json``,
 ``results.md`` and ``results.png`` to ``OUT_DIR``.
+
+Each policy's figures (with its per-sequence d_HM, distances, scores and
+sentence counts, which report.py's checks read) are kept in
+``OUT_DIR/policies/NAME.json`` and read back while the settings and the
+policy's directory are unchanged. ``--no-report`` evaluates the given
+policies into those files only (the first ``--policy`` is then only the KL
+reference, unless it is the only one), so that run.sh evaluates policies in
+parallel processes and reports them together afterwards.
 """
 
 from __future__ import annotations
