@@ -193,9 +193,10 @@ def test_readme_block_has_the_shape_report_writes():
     assert _shape(block) == _shape(expected)
     for table in _tables(block):
         assert len({len(re.split(r"(?<!\\)\|", row)) for row in table}) == 1, table[0]
-    provenance = dict(re.findall(r"^- (commit|packages|machine|load|steps): (.+)$", block, re.M))
-    assert set(provenance) == {"commit", "packages", "machine", "load", "steps"}
+    provenance = dict(re.findall(r"^- (commit|packages|machine|load|steps|tables): (.+)$", block, re.M))
+    assert set(provenance) == {"commit", "packages", "machine", "load", "steps", "tables"}
     assert re.fullmatch(r"[0-9a-f]{40}", provenance["commit"]), provenance["commit"]
+    assert re.fullmatch(r"written by report.py at commit [0-9a-f]{40}", provenance["tables"]), provenance["tables"]
     for package in ("storyrl", "torch", "transformers", "trl"):
         assert re.search(rf"\b{package} \d", provenance["packages"]), package
 
@@ -412,17 +413,23 @@ def test_run_sh_trains_every_policy_per_seed_in_order_and_writes_the_readme_bloc
     block = report.read_block(checkout / "examples" / "rl_vist" / "README.md")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True).stdout.strip()
     assert f"- commit: {head}\n" in block and "| reward_model | 0.5 |" in block
+    assert f"- tables: written by report.py at commit {head}\n" in block  # the README it writes is not a change
     assert "training seeds 0, 3;" in block
     assert "2 steps at a time" in block
     times = (checkout / "out" / "rl_vist" / "times.tsv").read_text().splitlines()
     assert len(times) == len(list((checkout / "out" / "rl_vist" / "done").iterdir()))
     assert all(len(t.split("\t")) == 5 and t.split("\t")[2] == head for t in times)
 
-    # a rerun resumes: nothing is trained or evaluated again, the tables are written again
+    # a rerun resumes: nothing is trained or evaluated again, the tables are written again, and say
+    # that the code they were written with differs from the commit
+    with (checkout / "examples" / "rl_vist" / "common.py").open("a") as f:
+        f.write("# changed\n")
     result, again = _run_sh(checkout, RL_VIST_SEEDS="0 3")
     assert result.returncode == 0 and "finished before, skipped" in result.stdout
     assert _trained(again) == {} and [c for c in again if "--no-report" in c] == []
     assert sum("report.py" in c for c in again) == 1
+    block = report.read_block(checkout / "examples" / "rl_vist" / "README.md")
+    assert f"- commit: {head}\n" in block and f"- tables: written by report.py at commit {head}+uncommitted\n" in block
 
 
 def test_run_sh_stops_on_a_failed_step_and_a_rerun_redoes_only_what_is_missing(checkout):

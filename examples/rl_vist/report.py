@@ -273,7 +273,24 @@ def provenance(steps: Sequence[dict], jobs: int | None) -> dict[str, str]:
     }
     if len(commits) > 1:
         out["commit"] += " (steps ran at different commits: see the steps' log, times.tsv)"
+    out["tables"] = f"written by report.py at commit {current_commit()}"
     return out
+
+
+def current_commit() -> str:
+    """HEAD of the checkout report.py runs in, ``+uncommitted`` when tracked files other than the
+    README (which this writes) differ from it; ``unknown`` outside git."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 f":(exclude){here.relative_to(here.parents[1])}/README.md"], cwd=here.parents[1],
+                                capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("+uncommitted" if status.stdout.strip() else "")
 
 
 def _lines(path: str) -> list[str]:
