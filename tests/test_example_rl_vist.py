@@ -195,6 +195,7 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     text = readme.read_text()
     assert text.startswith(f"intro\n{report.BEGIN}\n") and text.endswith(f"{report.END}\nafter\n")
     assert report.read_block(readme) == block and "| moved | 2 |" in block
+    assert (tmp_path / "results.png").read_bytes() == (out / "results.png").read_bytes()  # the README's picture
     assert (out / "results.png").stat().st_size > 1000 and json.loads((out / "seeds.json").read_text())["claims"]
 
 

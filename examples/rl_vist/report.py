@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -403,6 +404,9 @@ def report(results_path: Path, out_dir: Path, times=None, reward_model_table=Non
     plot(results, out_dir / "results.png")
     if readme is not None:
         replace_block(Path(readme), block)
+        picture = Path(readme).parent / "results.png"  # the README's picture is this run's
+        shutil.copyfile(out_dir / "results.png", picture.with_name("results.tmp.png"))
+        picture.with_name("results.tmp.png").replace(picture)
     return block
 
 
