@@ -83,12 +83,34 @@ def direct(config, stories, **context):
     return reward.score(stories, **context), reward
 
 
+WAIT = "++reward.custom_reward_function.reward_kwargs.storyrl_wait_ms=500"
+
+
+@pytest.fixture(scope="module")
+def verl_091(configs, tokenizer_dir):
+    """Every verl 0.9.1 job of this module, run in turn in one process (importing verl is most of a
+    job's time); each test reads its job's result."""
+    jobs = {
+        "compute_score_async": verl_job("loop", [*adapter.overrides(configs["dhm"], function="compute_score_async"),
+                                                 WAIT], tokenizer_dir),
+        "compute_score": verl_job("loop", [*adapter.overrides(configs["dhm"], function="compute_score"), WAIT],
+                                  tokenizer_dir),
+        "plain": verl_job("loop", adapter.overrides(configs["repetition"]), tokenizer_dir),
+        "group_without_gdpo": verl_job("loop", adapter.overrides(configs["group"], gdpo=False), tokenizer_dir),
+        "gdpo": verl_job("loop", adapter.overrides(configs["group"]), tokenizer_dir, gdpo=True),
+        "resolve_legacy_keys": verl_job("resolve", [*adapter.overrides(configs["repetition"], "0.6.1"),
+                                                    "reward_model.reward_manager=batch"], tokenizer_dir),
+        "resolve_batch_manager": verl_job("resolve", ["reward.reward_manager.name=batch"], tokenizer_dir),
+        "resolve_new_keys": verl_job("resolve", adapter.overrides(configs["repetition"]), tokenizer_dir),
+    }
+    out = run_check("verl_reward.py", {"jobs": list(jobs.values())}, framework_path("verl", "0.9.1"))
+    assert len(out["results"]) == len(jobs)
+    return {name: {**result, "verl": out["verl"]} for name, result in zip(jobs, out["results"])}
+
+
 @pytest.mark.parametrize("function", ["compute_score_async", "compute_score"])
-def test_reward_loop_scores_equal_the_reward(function, configs, tokenizer_dir):
-    path = framework_path("verl", "0.9.1")
-    overrides = adapter.overrides(configs["dhm"], function=function)
-    overrides.append("++reward.custom_reward_function.reward_kwargs.storyrl_wait_ms=500")
-    out = run_check("verl_reward.py", verl_job("loop", overrides, tokenizer_dir), path)
+def test_reward_loop_scores_equal_the_reward(function, configs, verl_091):
+    out = verl_091[function]
     assert "error" not in out, out["error"]
     assert out["verl"] == "0.9.1" and out["manager"] == "NaiveRewardManager"
     expected, reward = direct(configs["dhm"], out["stories"], reference=HUMAN)
@@ -107,25 +129,22 @@ def test_reward_loop_scores_equal_the_reward(function, configs, tokenizer_dir):
         assert out["batch_sizes"] == []
 
 
-def test_plain_reward_gives_floats_through_verl(configs, tokenizer_dir):
-    out = run_check("verl_reward.py", verl_job("loop", adapter.overrides(configs["repetition"]), tokenizer_dir),
-                    framework_path("verl", "0.9.1"))
+def test_plain_reward_gives_floats_through_verl(configs, verl_091):
+    out = verl_091["plain"]
     expected, _ = direct(configs["repetition"], out["stories"])
     np.testing.assert_allclose(out["scores"], expected, rtol=1e-6)
     assert set(out["extra"]) == {"acc"}  # verl's name for a float result
 
 
-def test_group_normalised_reward_is_refused_per_sample_naming_gdpo(configs, tokenizer_dir):
-    overrides = adapter.overrides(configs["group"], gdpo=False)
-    out = run_check("verl_reward.py", verl_job("loop", overrides, tokenizer_dir), framework_path("verl", "0.9.1"))
+def test_group_normalised_reward_is_refused_per_sample_naming_gdpo(verl_091):
+    out = verl_091["group_without_gdpo"]
     assert "normalises over the batch or prompt groups" in out["error"] and "GDPO" in out["error"]
 
 
-def test_gdpo_route_gives_verl_the_raw_components_and_its_advantage(configs, tokenizer_dir):
+def test_gdpo_route_gives_verl_the_raw_components_and_its_advantage(configs, verl_091):
     overrides = adapter.overrides(configs["group"])  # a group-normalised reward: GDPO settings included
     assert "algorithm.adv_estimator=gdpo" in overrides
-    out = run_check("verl_reward.py", verl_job("loop", overrides, tokenizer_dir, gdpo=True),
-                    framework_path("verl", "0.9.1"))
+    out = verl_091["gdpo"]
     assert "error" not in out, out["error"]
     stories = out["stories"]
     rouge = create_reward("rouge_l").score(stories, reference=HUMAN)
@@ -172,23 +191,16 @@ def test_gdpo_settings_and_refusals(configs):
         adapter.gdpo_settings(configs["dhm"])
 
 
-def test_verl_09_ignores_the_old_keys_and_has_no_batch_manager(configs, tokenizer_dir):
-    path = framework_path("verl", "0.9.1")
-    legacy = adapter.overrides(configs["repetition"], "0.6.1")  # the top-level keys
-    out = run_check("verl_reward.py", verl_job("resolve", [*legacy, "reward_model.reward_manager=batch"],
-                                               tokenizer_dir), path)
+def test_verl_09_ignores_the_old_keys_and_has_no_batch_manager(verl_091):
     # verl 0.9 reads reward.custom_reward_function only, and has no batch manager
-    assert out["custom_fn"] is False
-    out = run_check("verl_reward.py", verl_job("resolve", ["reward.reward_manager.name=batch"], tokenizer_dir), path)
-    assert out["manager_error"] == "Unknown reward manager: batch"
-    out = run_check("verl_reward.py", verl_job("resolve", adapter.overrides(configs["repetition"]), tokenizer_dir),
-                    path)
+    assert verl_091["resolve_legacy_keys"]["custom_fn"] is False
+    assert verl_091["resolve_batch_manager"]["manager_error"] == "Unknown reward manager: batch"
+    out = verl_091["resolve_new_keys"]
     assert out["custom_fn"] is True and out["manager"] == "NaiveRewardManager"
 
 
 def test_verl_08_through_its_main_ppo_migration(configs, tokenizer_dir):
-    overrides = [*adapter.overrides(configs["dhm"], "0.8.0"),
-                 "++reward.custom_reward_function.reward_kwargs.storyrl_wait_ms=500"]
+    overrides = [*adapter.overrides(configs["dhm"], "0.8.0"), WAIT]
     out = run_check("verl_reward.py", verl_job("loop", overrides, tokenizer_dir, migrate=True),
                     framework_path("verl", "0.8.0"))
     assert "error" not in out, out["error"]

@@ -1,7 +1,8 @@
 """Runs storyrl's verl adapter inside verl's own reward code, in a process
 whose path holds a released verl wheel (see tests/frameworks.py).
 
-Reads a JSON job on stdin, prints one JSON line. Modes:
+Reads a JSON job on stdin (or ``{"jobs": [...]}``: each in turn, in this
+process), prints one JSON line. Modes:
 
 * ``loop`` (verl >= 0.7.1): verl's config composed by Hydra from verl's own
   YAML with the given overrides (plus ``migrate_legacy_reward_impl`` where
@@ -151,17 +152,25 @@ def run_resolve(job):
     return result
 
 
-def main():
-    job = json.loads(sys.stdin.read())
+def run_job(job):
+    from storyrl.integrations import verl as adapter
+
+    adapter._BATCHERS.clear()  # each job's batch sizes are its own (jobs may share a process)
     mode = {"loop": run_loop, "legacy": run_legacy, "resolve": run_resolve}[job["mode"]]
     try:
-        result = mode(job)
+        return mode(job)
     except Exception as exc:  # noqa: BLE001  (reported to the test as data)
-        result = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main():
     import verl
 
-    result["verl"] = verl.__version__
-    print(json.dumps(result))
+    payload = json.loads(sys.stdin.read())
+    if "jobs" in payload:  # several jobs in one process: verl's import is most of a job's time
+        print(json.dumps({"results": [run_job(job) for job in payload["jobs"]], "verl": verl.__version__}))
+        return
+    print(json.dumps({**run_job(payload), "verl": verl.__version__}))
 
 
 if __name__ == "__main__":
