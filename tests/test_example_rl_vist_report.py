@@ -115,6 +115,10 @@ def test_conclusions_hold_only_where_every_seed_agrees():
         assert c.holds == (ok == n), text
     assert dict(got["ppo_repetition lowers held-out d_HM"].outcomes) == {"ppo_repetition@0": True,
                                                                         "ppo_repetition@1": False}
+    drift = got["against d_HM, GRPO drifts less from the start than PPO"].outcomes
+    assert [label for label, _ in drift] == [f"grpo_dhm@{a} vs ppo_dhm@{b}" for a in range(3) for b in range(3)]
+    better = dict(got["ppo: d_HM is the better target than raw repetition"].outcomes)
+    assert list(better) == [f"ppo_dhm@{a} vs ppo_repetition@{b}" for a in range(3) for b in range(2)]
     # "matches": every pair of seeds' interval contains 0, checked here by hand
     for other in ("ppo_dhm", "grpo_dhm"):
         c = got[f"dpo_dhm matches {other} on held-out d_HM"]
@@ -156,7 +160,9 @@ def _shape(block: str) -> list[str]:
 
 def test_block_tables_are_whole_and_the_summary_row_is_the_seeds():
     results = made_up_results()
-    block = report.render_block(results, {"commit": "abc", "load": "1"}, "| metric | acc |\n|---|---:|\n| a | 0.5 |\n")
+    block = report.render_block(results, {"commit": "abc", "load": "1"},
+                                "# Pair accuracy\n\n| metric | acc |\n|---|---:|\n| a | 0.5 |\n")
+    assert "# Pair accuracy" not in block  # meta-eval's own heading would be a page title in the README
     for table in _tables(block):
         widths = {len(re.split(r"(?<!\\)\|", row)) for row in table}
         assert len(widths) == 1, table
@@ -232,6 +238,20 @@ def test_provenance_names_commits_load_and_steps(tmp_path):
     assert p["steps"] == "2, 81 s of step time in all: data 1, ppo_dhm@0 80" and "2 steps at a time" in p["machine"]
     times.write_text("data\t1\tc1\t0.5\t0.7\nppo_dhm@0\t80\tc2\t1.9\t2.4\n")
     assert "different commits" in report.provenance(report.read_steps(times), 1)["commit"]
+    # wall time: from the earliest start (marker time - seconds) to the latest end (marker time)
+    done = tmp_path / "done"
+    done.mkdir()
+    steps = report.read_steps(times)
+    for name, end in (("data", 1000.0), ("ppo_dhm@0", 1050.0)):
+        (done / name).write_text("x")
+        os.utime(done / name, (end, end))
+    assert report.wall_seconds(done, steps) == pytest.approx(1050.0 - (1050.0 - 80))  # ppo started first: 970
+    os.utime(done / "data", (900.0, 900.0))
+    assert report.wall_seconds(done, steps) == pytest.approx(1050.0 - 899.0)
+    assert "151 s of wall time" in report.provenance(steps, 1, report.wall_seconds(done, steps))["steps"]
+    (done / "data").unlink()
+    assert report.wall_seconds(done, steps) is None and report.wall_seconds(None, steps) is None
+    assert "wall time" not in report.provenance(steps, 1, None)["steps"]
 
 
 def test_plot_has_a_point_per_seed_and_legends_outside(tmp_path, monkeypatch):
@@ -415,7 +435,7 @@ def test_run_sh_trains_every_policy_per_seed_in_order_and_writes_the_readme_bloc
     assert f"- commit: {head}\n" in block and "| reward_model | 0.5 |" in block
     assert f"- tables: written by report.py at commit {head}\n" in block  # the README it writes is not a change
     assert "training seeds 0, 3;" in block
-    assert "2 steps at a time" in block
+    assert "2 steps at a time" in block and re.search(r"- steps: \d+, \d+ s of step time in all, \d+ s of wall time", block)
     times = (checkout / "out" / "rl_vist" / "times.tsv").read_text().splitlines()
     assert len(times) == len(list((checkout / "out" / "rl_vist" / "done").iterdir()))
     assert all(len(t.split("\t")) == 5 and t.split("\t")[2] == head for t in times)

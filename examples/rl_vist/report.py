@@ -2,8 +2,8 @@
 seed, the plot, and the block of README.md that shows them.
 
     python examples/rl_vist/report.py --results out/rl_vist/eval/results.json \\
-        [--times out/rl_vist/times.tsv] [--reward-model-table out/rl_vist/reward_model_eval/val_pairs.md] \\
-        [--out out/rl_vist/eval] [--readme examples/rl_vist/README.md] [--jobs 2]
+        [--times out/rl_vist/times.tsv] [--done out/rl_vist/done] [--jobs 2] [--out out/rl_vist/eval] \\
+        [--reward-model-table out/rl_vist/reward_model_eval/val_pairs.md] [--readme examples/rl_vist/README.md]
 
 ``results.json`` is evaluate.py's, with one policy per run and training
 seed, named ``RUN@SEED`` (``ppo_dhm@0``, ``ppo_dhm@1``, ...) and the start
@@ -116,7 +116,7 @@ def claims(results: dict) -> list[Claim]:
         if dhm_run in runs and rep_run in runs:
             out.append(Claim(f"{algorithm}: d_HM is the better target than raw repetition",
                              f"every {dhm_run} seed's held-out d_HM below every {rep_run} seed's",
-                             [(f"{dhm_run}@{a} < {rep_run}@{b}", e["dhm"] < f["dhm"])
+                             [(f"{dhm_run}@{a} vs {rep_run}@{b}", e["dhm"] < f["dhm"])
                               for a, e in sorted(runs[dhm_run].items()) for b, f in sorted(runs[rep_run].items())]))
     if "dpo_dhm" in runs:
         for algorithm in ALGORITHMS:
@@ -130,11 +130,11 @@ def claims(results: dict) -> list[Claim]:
         out.append(Claim("dpo_dhm lengthens the stories", "95% CI of its sentences per story minus start's above 0",
                          per_seed("dpo_dhm", lambda e: _delta(e["per_sequence_sentences"],
                                                               start["per_sequence_sentences"], seed)["low"] > 0)))
-    dhm_kl = {a: [e["kl"] for e in runs[f"{a}_dhm"].values()] for a in ALGORITHMS if f"{a}_dhm" in runs}
-    if {"grpo", "ppo"} <= set(dhm_kl):
+    if "grpo_dhm" in runs and "ppo_dhm" in runs:
         out.append(Claim("against d_HM, GRPO drifts less from the start than PPO",
                          "every grpo_dhm seed's KL to start below every ppo_dhm seed's",
-                         [(f"grpo_dhm {g:.2f} < ppo_dhm {p:.2f}", g < p) for g in dhm_kl["grpo"] for p in dhm_kl["ppo"]]))
+                         [(f"grpo_dhm@{a} vs ppo_dhm@{b}", g["kl"] < p["kl"])
+                          for a, g in sorted(runs["grpo_dhm"].items()) for b, p in sorted(runs["ppo_dhm"].items())]))
     for run in runs:
         out.append(Claim(f"{run} uses fewer of the prompt's nouns than start",
                          "noun recall below start's (point estimate)",
@@ -204,9 +204,9 @@ def render_block(results: dict, provenance: dict, reward_model_table: str | None
         lines.append(f"| {c.text} | {c.test} | {sum(ok for _, ok in c.outcomes)} of {len(c.outcomes)} | {verdict} |")
     lines += ["", "### Every policy and seed", ""]
     lines += evaluate.markdown({**results, "times": {}}).rstrip("\n").splitlines()
-    if reward_model_table:
+    if reward_model_table:  # storyrl meta-eval's table, without its own heading
         lines += ["", "### Story reward model: pair accuracy on the validation pairs", "",
-                  *reward_model_table.strip().splitlines()]
+                  *(line for line in reward_model_table.splitlines() if line.startswith("|"))]
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +246,21 @@ def read_steps(path) -> list[dict]:
     return out
 
 
-def provenance(steps: Sequence[dict], jobs: int | None) -> dict[str, str]:
+def wall_seconds(done_dir, steps: Sequence[dict]) -> float | None:
+    """From the first step's start to the last step's end: each marker in ``done_dir`` (run.sh's
+    ``out/rl_vist/done``) was written when its step ended, and its line holds the step's seconds."""
+    ends = {}
+    for s in steps:
+        marker = Path(done_dir) / s["name"] if done_dir is not None else None
+        if marker is None or not marker.is_file():
+            return None
+        ends[s["name"]] = (marker.stat().st_mtime, s["seconds"])
+    if not ends:
+        return None
+    return max(end for end, _ in ends.values()) - min(end - seconds for end, seconds in ends.values())
+
+
+def provenance(steps: Sequence[dict], jobs: int | None, wall: float | None = None) -> dict[str, str]:
     from importlib import metadata
 
     def version(name):
@@ -269,7 +283,9 @@ def provenance(steps: Sequence[dict], jobs: int | None) -> dict[str, str]:
                    f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, {jobs or 1} steps at a time",
         "load": (f"1-minute load average {min(loads):.1f} – {max(loads):.1f} (at the start and end of each step)"
                  if loads else "not recorded"),
-        "steps": f"{len(steps)}, {total:.0f} s of step time in all: "
+        "steps": f"{len(steps)}, {total:.0f} s of step time in all"
+                 + (f", {wall:.0f} s of wall time from the first step's start to the last one's end" if wall else "")
+                 + ": "
                  + ", ".join(f"{s['name']} {s['seconds']:.0f}" for s in steps),
     }
     if len(commits) > 1:
@@ -389,12 +405,13 @@ def plot(results: dict, path: Path) -> None:
 
 
 def report(results_path: Path, out_dir: Path, times=None, reward_model_table=None, readme=None,
-           jobs: int | None = None) -> str:
+           jobs: int | None = None, done=None) -> str:
     results = json.loads(Path(results_path).read_text(encoding="utf-8"))
     if not group(results):
         raise SystemExit(f"report.py: {results_path}: no trained policy (names RUN@SEED)")
     table = Path(reward_model_table).read_text(encoding="utf-8") if reward_model_table else None
-    block = render_block(results, provenance(read_steps(times), jobs), table)
+    steps = read_steps(times)
+    block = render_block(results, provenance(steps, jobs, wall_seconds(done, steps)), table)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "seeds.md").write_text(block, encoding="utf-8")
     summary = {"summary": summary_rows(results),
@@ -418,9 +435,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reward-model-table", type=Path)
     parser.add_argument("--readme", type=Path)
     parser.add_argument("--jobs", type=int)
+    parser.add_argument("--done", type=Path, help="run.sh's step markers (out/rl_vist/done): the wall time")
     args = parser.parse_args(argv)
     block = report(args.results, args.out or args.results.parent, args.times, args.reward_model_table, args.readme,
-                   args.jobs)
+                   args.jobs, args.done)
     print(block)
 
 

@@ -181,7 +181,7 @@ python $EX/evaluate.py "${EVAL[@]}" "${policies[@]}" --times "$OUT/times.tsv" > 
     || { tail -n 30 "$OUT/logs/eval.log"; echo "rl_vist: the evaluation table failed; log: $OUT/logs/eval.log" >&2; exit 1; }
 readme=()
 [ "$README" = none ] || readme=(--readme "$README")
-python $EX/report.py --results "$OUT/eval/results.json" --times "$OUT/times.tsv" --jobs "$JOBS" \
+python $EX/report.py --results "$OUT/eval/results.json" --times "$OUT/times.tsv" --done "$OUT/done" --jobs "$JOBS" \
     --reward-model-table "$OUT/reward_model_eval/val_pairs.md" "${readme[@]}" > "$OUT/logs/report.log" 2>&1 \
     || { tail -n 30 "$OUT/logs/report.log"; echo "rl_vist: the report failed; log: $OUT/logs/report.log" >&2; exit 1; }
 
