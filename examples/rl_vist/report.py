@@ -296,15 +296,16 @@ def provenance(steps: Sequence[dict], jobs: int | None, wall: float | None = Non
 
 def current_commit() -> str:
     """HEAD of the checkout report.py runs in, ``+uncommitted`` when tracked files other than the
-    README (which this writes) differ from it; ``unknown`` outside git."""
+    README and its picture (which this writes) differ from it; ``unknown`` outside git."""
     import subprocess
 
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        example = here.relative_to(here.parents[1])
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                 f":(exclude){here.relative_to(here.parents[1])}/README.md"], cwd=here.parents[1],
-                                capture_output=True, text=True, check=True)
+                                 f":(exclude){example}/README.md", f":(exclude){example}/results.png"],
+                                cwd=here.parents[1], capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head.stdout.strip() + ("+uncommitted" if status.stdout.strip() else "")

@@ -53,7 +53,7 @@ done
 [[ "$JOBS" =~ ^[1-9][0-9]*$ ]] || { echo "rl_vist: RL_VIST_JOBS: '$JOBS' is not a positive whole number" >&2; exit 1; }
 SEED=0  # the shared steps' seed: data split, start policy, coherence model, pairs, reward model, evaluation
 COMMIT="$(git rev-parse HEAD 2>/dev/null || echo unknown)"
-if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no -- . ":(exclude)$EX/README.md")" ]; then
+if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=no -- . ":(exclude)$EX/README.md" ":(exclude)$EX/results.png")" ]; then
     COMMIT="$COMMIT+uncommitted"
 fi
 
