@@ -101,7 +101,8 @@ def test_conclusions_hold_only_where_every_seed_agrees():
     expect = {
         "ppo_dhm lowers held-out d_HM": (3, 3), "grpo_dhm lowers held-out d_HM": (3, 3),
         "ppo_repetition lowers held-out d_HM": (1, 2), "dpo_dhm lowers held-out d_HM": (3, 3),
-        "ppo_dhm moves both dimensions towards the human stories": (3, 3),
+        "ppo_dhm lowers the coherence distance": (3, 3), "ppo_dhm lowers the repetition distance": (3, 3),
+        "ppo_repetition lowers the coherence distance": (1, 2),
         "ppo_repetition overshoots the human repetition score": (1, 2),
         "ppo: d_HM is the better target than raw repetition": (6, 6),
         "dpo_dhm lengthens the stories": (3, 3),
@@ -115,6 +116,13 @@ def test_conclusions_hold_only_where_every_seed_agrees():
         assert c.holds == (ok == n), text
     assert dict(got["ppo_repetition lowers held-out d_HM"].outcomes) == {"ppo_repetition@0": True,
                                                                         "ppo_repetition@1": False}
+    # one dimension moved, the other not: each claim reads its own dimension
+    results["policies"]["grpo_dhm@0"]["per_sequence_dims"]["coherence"] = dict(
+        results["policies"]["start"]["per_sequence_dims"]["coherence"])
+    moved = {c.text: dict(c.outcomes) for c in report.claims(results)}
+    assert moved["grpo_dhm lowers the coherence distance"] == {"grpo_dhm@0": False, "grpo_dhm@1": True,
+                                                               "grpo_dhm@2": True}
+    assert all(moved["grpo_dhm lowers the repetition distance"].values())
     drift = got["against d_HM, GRPO drifts less from the start than PPO"].outcomes
     assert [label for label, _ in drift] == [f"grpo_dhm@{a} vs ppo_dhm@{b}" for a in range(3) for b in range(3)]
     better = dict(got["ppo: d_HM is the better target than raw repetition"].outcomes)

@@ -100,11 +100,12 @@ def claims(results: dict) -> list[Claim]:
     for run in runs:
         out.append(Claim(f"{run} lowers held-out d_HM", "95% CI of the paired difference to start below 0",
                          per_seed(run, lambda e: below_zero(e["per_sequence"], start["per_sequence"]))))
-    for run in (r for r in runs if r.endswith("_dhm")):
-        out.append(Claim(f"{run} moves both dimensions towards the human stories",
-                         "95% CI below 0 for the coherence and the repetition distance",
-                         per_seed(run, lambda e: all(below_zero(e["per_sequence_dims"][d], start["per_sequence_dims"][d])
-                                                     for d in ("coherence", "repetition")))))
+    for dimension in ("coherence", "repetition"):  # which of d_HM's dimensions moved towards the human stories
+        for run in runs:
+            out.append(Claim(f"{run} lowers the {dimension} distance", f"95% CI of the paired difference of the "
+                             f"{dimension} distance to start below 0",
+                             per_seed(run, lambda e, d=dimension: below_zero(e["per_sequence_dims"][d],
+                                                                             start["per_sequence_dims"][d]))))
     human_rep = human["per_sequence_scores"]["repetition"]
     for run in (r for r in runs if r.endswith("_repetition")):
         out.append(Claim(f"{run} overshoots the human repetition score",
