@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -73,7 +74,7 @@ def test_split_by_story_id(tiny_data):
 
 
 @pytest.mark.slow
-def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
+def test_hook_prompts_and_evaluation(tiny_data, tmp_path, monkeypatch):
     import make_albert
     import make_policy
     import train_rl
@@ -152,9 +153,12 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
              str(tmp_path / "coherence"), out, samples=2, max_new_tokens=40, report=False)
     assert sorted(p.name for p in (out / "policies").iterdir()) == ["moved@0.json", "start.json"]
     cached = (out / "policies" / "moved@0.json").read_text()
+    times = tmp_path / "times.tsv"
+    times.write_text("moved@0\t81\tc\t0.1\t0.2\nmoved@1\t82\tc\t0.1\t0.2\n")
     results = evaluate(data / "heldout.jsonl", policies, str(tmp_path / "coherence"), out, samples=2,
-                       max_new_tokens=40, runs_dir=tmp_path / "runs")
+                       max_new_tokens=40, runs_dir=tmp_path / "runs", times=times)
     assert (out / "policies" / "moved@0.json").read_text() == cached  # read back, not evaluated again
+    assert results["policies"]["moved@1"]["seconds"] == 82.0 and "moved@0 81" in (out / "results.md").read_text()
     start, moved_r = results["policies"]["start"], results["policies"]["moved@0"]
     assert results["n_sequences"] == 4
     assert start["kl"] == pytest.approx(0.0, abs=1e-5) and moved_r["kl"] > 0.01
@@ -178,9 +182,63 @@ def test_hook_prompts_and_evaluation(tiny_data, tmp_path):
     assert set(dims) == {"coherence", "repetition"}
     for key, value in moved_r["per_sequence"].items():
         assert value == pytest.approx((dims["coherence"][key] + dims["repetition"][key]) / 2)
-    from evaluate import noun_recall
+    # every figure again from the stories file, written out plainly
+    from storyrl.text import tokenize_story
+
+    heldout = {r["story_id"]: r for r in _read(data / "heldout.jsonl")}
+    rows = _read(out / "stories" / "moved@0.jsonl")
+    assert moved_r["n_rows"] == len(rows) == 8 and len({r["id"] for r in rows}) == 8
+    by_sequence = {}
+    for r in rows:
+        by_sequence.setdefault(r["id"].split("#")[0], []).append(r["story"])
+    assert any(len(set(v)) > 1 for v in by_sequence.values())  # the two samples are drawn apart (seed + j)
+    assert moved_r["kl"] == pytest.approx(sum(r["kl"] for r in rows) / len(rows))
+    recalls = []
+    for r in rows:
+        wanted = heldout[r["id"].split("#")[0]]["noun_phrases"]
+        words = {w.lower() for sentence in tokenize_story(r["story"]) for w in sentence} if r["story"].strip() else set()
+        if wanted:
+            recalls.append(sum(n.lower() in words for n in wanted) / len(wanted))
+    assert moved_r["noun_recall"] == pytest.approx(sum(recalls) / len(recalls))
+    for key, stories in by_sequence.items():
+        counts = [len(tokenize_story(t)) if t.strip() else 0 for t in stories]
+        assert moved_r["per_sequence_sentences"][key] == pytest.approx(sum(counts) / len(counts))
+    shared = sorted(set(moved_r["per_sequence"]) & set(start["per_sequence"]))
+    assert moved_r["delta"]["delta"] == pytest.approx(
+        sum(moved_r["per_sequence"][k] - start["per_sequence"][k] for k in shared) / len(shared))  # moved - start
+
+    # the cache is read back only for the same settings and the same weights
+    def evaluated_again(**changes):
+        before = (out / "policies" / "moved@0.json").read_text()
+        kwargs = {"samples": 2, "max_new_tokens": 40, **changes}
+        evaluate(data / "heldout.jsonl", {"start": str(policy), "moved@0": policies["moved@0"]},
+                 str(tmp_path / "coherence"), out, report=False, **kwargs)
+        return (out / "policies" / "moved@0.json").read_text() != before
+
+    assert not evaluated_again()
+    assert evaluated_again(samples=1) and evaluated_again(samples=2)
+    assert evaluated_again(seed=1) and evaluated_again(seed=0)
+    weights = next(moved[0].glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # retrained in place
+    assert evaluated_again() and not evaluated_again()
+
+    # evaluate.py --no-report: the policy's file only, no table
+    import evaluate as evaluate_module
+
+    (out / "policies" / "moved@1.json").unlink()
+    table_before = (out / "results.json").stat().st_mtime_ns
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", "--heldout", str(data / "heldout.jsonl"), "--coherence-model",
+                                      str(tmp_path / "coherence"), "--out", str(out), "--policy", f"start={policy}",
+                                      "--policy", f"moved@1={policies['moved@1']}", "--max-new-tokens", "40",
+                                      "--no-report"])
+    evaluate_module.main()
+    assert (out / "policies" / "moved@1.json").is_file() and (out / "results.json").stat().st_mtime_ns == table_before
+
+    from evaluate import noun_recall, per_sequence_means
 
     assert noun_recall(["the dog ran to the park.", "a cat."], [["dog", "tree"], []]) == 0.5
+    assert per_sequence_means(["a#0", "a#1", "b#0", "c"], [0.5, float("nan"), float("nan"), 0.25]) == {"a": 0.5,
+                                                                                                     "c": 0.25}
     table = (out / "results.md").read_text()
     assert "| human (held-out) |" in table and "| moved@1 |" in table
     assert (out / "results.png").stat().st_size > 1000

@@ -142,6 +142,36 @@ def test_conclusions_hold_only_where_every_seed_agrees():
     assert not any(t.startswith(("grpo:", "rloo")) or "rloo" in t for t in got)
 
 
+def test_conclusions_at_their_boundaries():
+    results = made_up_results()
+    start = results["policies"]["start"]
+    # one DPO seed a little longer on average, its interval across 0: not "lengthens" for that seed
+    wobble = {k: v + (0.03 if i % 2 else -0.028) for i, (k, v) in enumerate(start["per_sequence_sentences"].items())}
+    results["policies"]["dpo_dhm@1"]["per_sequence_sentences"] = wobble
+    low, high = _bootstrap(wobble, start["per_sequence_sentences"])
+    assert low < 0 < high and sum(wobble.values()) > sum(start["per_sequence_sentences"].values())
+    # a seed whose noun recall equals the start's does not use fewer nouns
+    results["policies"]["ppo_dhm@0"]["noun_recall"] = start["noun_recall"]
+    got = {c.text: dict(c.outcomes) for c in report.claims(results)}
+    assert got["dpo_dhm lengthens the stories"] == {"dpo_dhm@0": True, "dpo_dhm@1": False, "dpo_dhm@2": True}
+    assert got["ppo_dhm uses fewer of the prompt's nouns than start"]["ppo_dhm@0"] is False
+
+
+def test_one_seed_and_a_seed_without_d_hm():
+    results = made_up_results()
+    results["policies"] = {n: e for n, e in results["policies"].items() if "@" not in n or n.endswith("@0")}
+    rows = {r["run"]: r for r in report.summary_rows(results)}
+    assert rows["ppo_dhm"]["seeds"] == [0] and math.isnan(rows["ppo_dhm"]["dhm_sd"])  # RL_VIST_SEEDS=0
+    block = report.render_block(results, {})
+    assert "| ppo_dhm | 1 | " in block and next(r for r in block.splitlines() if r.startswith("| ppo_dhm | 1 |")
+                                                 ).split("|")[4].strip() == "–"
+    results = made_up_results()
+    results["policies"]["ppo_dhm@1"]["dhm"] = math.nan  # every story of that seed unscorable
+    row = next(r for r in report.summary_rows(results) if r["run"] == "ppo_dhm")
+    finite = [results["policies"][f"ppo_dhm@{s}"]["dhm"] for s in (0, 2)]
+    assert row["dhm_mean"] == pytest.approx(sum(finite) / 2) and row["dhm_max"] == max(finite)
+
+
 def test_a_conclusion_that_fails_for_one_seed_names_it_in_the_block():
     block = report.render_block(made_up_results(), {"commit": "abc"})
     row = next(line for line in block.splitlines() if line.startswith("| ppo_repetition lowers held-out d_HM |"))
@@ -231,6 +261,9 @@ def test_bad_inputs_are_one_line(tmp_path):
     times.write_text("data\t1\tabc\t0.1\t0.2\npolicy\t3\n")
     with pytest.raises(SystemExit, match=r"times.tsv: line 2: expected 5 tab-separated fields, got 2"):
         report.read_steps(times)
+    times.write_text("data\t1\tabc\t0.1\t0.2\t9\n")
+    with pytest.raises(SystemExit, match=r"times.tsv: line 1: expected 5 tab-separated fields, got 6"):
+        report.read_steps(times)
     with pytest.raises(SystemExit, match="policy 'ppo@x'"):
         report.split_name("ppo@x")
     results = tmp_path / "results.json"
@@ -239,7 +272,8 @@ def test_bad_inputs_are_one_line(tmp_path):
         report.report(results, tmp_path)
 
 
-def test_provenance_names_commits_load_and_steps(tmp_path):
+def test_provenance_names_commits_load_and_steps(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # the steps at once are run.sh's, not the machine's cores
     times = tmp_path / "times.tsv"
     times.write_text("data\t1\tc1\t0.5\t0.7\nppo_dhm@0\t80\tc1\t1.9\t2.4\n")
     p = report.provenance(report.read_steps(times), 2)
@@ -326,7 +360,9 @@ out = Path("out/rl_vist")
 script = Path(argv[0]).name if tool == "python" else None
 if script == "report.py":
     os.execv(os.environ["REAL_PYTHON"], [os.environ["REAL_PYTHON"], *argv])
-time.sleep(0.05)
+with log.with_suffix(".spans").open("a") as f:
+    f.write(f"start {time.time()}\n")
+time.sleep(0.2)  # long enough that a step started before its inputs exist finds them missing
 if script == "prepare_data.py":
     Path(argv[1]).mkdir(parents=True)
     for split in ("train", "val", "heldout"):
@@ -378,6 +414,8 @@ elif tool == "storyrl" and argv[:2] == ["meta-eval", "pairs"]:
 else:
     print(f"stub: unexpected command {line}", file=sys.stderr)
     sys.exit(5)
+with log.with_suffix(".spans").open("a") as f:
+    f.write(f"end {time.time()}\n")
 '''
 
 
@@ -402,6 +440,7 @@ def checkout(tmp_path):
 def _run_sh(checkout, **env):
     log = checkout / "stub.log"
     log.unlink(missing_ok=True)
+    log.with_suffix(".spans").unlink(missing_ok=True)
     full = {**os.environ, "PATH": f"{checkout / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": "set",
             "STUB_LOG": str(log), "REAL_PYTHON": sys.executable, "TESTS": str(ROOT / "tests"),
             "PYTHONPATH": str(ROOT), "STORYRL_VIST_STORIES": str(checkout / "stories.json"),
@@ -410,6 +449,20 @@ def _run_sh(checkout, **env):
                             text=True, timeout=300)
     commands = log.read_text().splitlines() if log.exists() else []
     return result, commands
+
+
+RUNS = ["ppo_dhm", "grpo_dhm", "rloo_dhm", "ppo_repetition", "grpo_repetition", "rloo_repetition", "dpo_dhm"]
+
+
+def _most_at_once(checkout) -> int:
+    """The most stub steps that ran at the same time (from their start and end times)."""
+    events = sorted((float(t), 1 if kind == "start" else -1) for kind, t in
+                    (line.split() for line in (checkout / "stub.spans").read_text().splitlines()))
+    running = most = 0
+    for _, change in sorted(events, key=lambda e: (e[0], e[1])):
+        running += change
+        most = max(most, running)
+    return most
 
 
 def _trained(commands) -> dict[str, str]:
@@ -423,9 +476,10 @@ def _trained(commands) -> dict[str, str]:
 
 
 def test_run_sh_trains_every_policy_per_seed_in_order_and_writes_the_readme_block(checkout):
-    result, commands = _run_sh(checkout, RL_VIST_SEEDS="0 3", RL_VIST_JOBS="2")
+    result, commands = _run_sh(checkout, RL_VIST_SEEDS="0 3", RL_VIST_JOBS="8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    runs = ["ppo_dhm", "grpo_dhm", "rloo_dhm", "ppo_repetition", "grpo_repetition", "rloo_repetition", "dpo_dhm"]
+    assert _most_at_once(checkout) == 8  # as many steps at once as asked, never more (12 RL runs are ready together)
+    runs = RUNS
     assert _trained(commands) == {f"{r}@{s}": s for r in runs for s in ("0", "3")}
     for r in runs:
         config = "dpo_dhm" if r == "dpo_dhm" else r
@@ -444,10 +498,21 @@ def test_run_sh_trains_every_policy_per_seed_in_order_and_writes_the_readme_bloc
     assert f"- commit: {head}\n" in block and "| reward_model | 0.5 |" in block
     assert f"- tables: written by report.py at commit {head}\n" in block  # the README it writes is not a change
     assert "training seeds 0, 3;" in block
-    assert "2 steps at a time" in block and re.search(r"- steps: \d+, \d+ s of step time in all, \d+ s of wall time", block)
+    assert "8 steps at a time" in block and re.search(r"- steps: \d+, \d+ s of step time in all, \d+ s of wall time", block)
     times = (checkout / "out" / "rl_vist" / "times.tsv").read_text().splitlines()
     assert len(times) == len(list((checkout / "out" / "rl_vist" / "done").iterdir()))
     assert all(len(t.split("\t")) == 5 and t.split("\t")[2] == head for t in times)
+
+    # a policy retrained (its marker removed) is evaluated again, not read from the cache; the step's commit
+    # is the clean HEAD although report.py rewrote the README
+    out = checkout / "out" / "rl_vist"
+    (out / "done" / "ppo_dhm@0").unlink()
+    (out / "eval" / "policies" / "ppo_dhm@0.json").write_text("stale")
+    result, again = _run_sh(checkout, RL_VIST_SEEDS="0 3", RL_VIST_JOBS="2")
+    assert result.returncode == 0 and _trained(again) == {"ppo_dhm@0": "0"}
+    assert not (out / "eval" / "policies" / "ppo_dhm@0.json").is_file() or \
+        (out / "eval" / "policies" / "ppo_dhm@0.json").read_text() != "stale"
+    assert (out / "done" / "ppo_dhm@0").read_text().split("\t")[2] == head
 
     # a rerun resumes: nothing is trained or evaluated again, the tables are written again, and say
     # that the code they were written with differs from the commit
@@ -462,7 +527,8 @@ def test_run_sh_trains_every_policy_per_seed_in_order_and_writes_the_readme_bloc
 
 
 def test_run_sh_stops_on_a_failed_step_and_a_rerun_redoes_only_what_is_missing(checkout):
-    result, commands = _run_sh(checkout, RL_VIST_SEEDS="0 1 2", RL_VIST_JOBS="2", STUB_FAIL="rloo_dhm@1")
+    readme = (checkout / "examples" / "rl_vist" / "README.md").read_text()
+    result, commands = _run_sh(checkout, RL_VIST_JOBS="2", STUB_FAIL="rloo_dhm@1")  # the default seeds: 0 1 2
     assert result.returncode == 1
     assert "rl_vist: failed: rloo_dhm@1" in result.stderr and "run again to resume" in result.stderr
     done = checkout / "out" / "rl_vist" / "done"
@@ -470,11 +536,27 @@ def test_run_sh_stops_on_a_failed_step_and_a_rerun_redoes_only_what_is_missing(c
     assert not any("dpo" in c for c in commands) and not any("report.py" in c for c in commands)
     finished = set(_trained(commands)) - {"rloo_dhm@1"}
     finished = {n for n in finished if (done / n).exists()}
-    result, again = _run_sh(checkout, RL_VIST_SEEDS="0 1 2", RL_VIST_JOBS="1")
+    result, again = _run_sh(checkout, RL_VIST_JOBS="1", RL_VIST_README="none")
     assert result.returncode == 0, result.stderr[-2000:]
     retrained = set(_trained(again))
     assert "rloo_dhm@1" in retrained and not retrained & finished
+    assert set(_trained(commands)) | retrained == {f"{r}@{s}" for r in RUNS for s in "012"}
     assert not any("make_policy.py" in c or "prepare_data.py" in c for c in again)
+    assert _most_at_once(checkout) == 1
+    assert (checkout / "examples" / "rl_vist" / "README.md").read_text() == readme  # RL_VIST_README=none
+    assert (checkout / "out" / "rl_vist" / "eval" / "seeds.md").is_file()
+
+
+@pytest.mark.parametrize("fail, name", [("prepare_data.py", "data"), ("--policy dpo_dhm@1=", "eval_dpo_dhm@1"),
+                                        ("meta-eval pairs", "reward_model_eval")])
+def test_run_sh_stops_at_a_failed_step_in_any_phase(checkout, fail, name):
+    result, commands = _run_sh(checkout, RL_VIST_SEEDS="0 1", RL_VIST_JOBS="2", STUB_FAIL=fail)
+    assert result.returncode == 1 and f"rl_vist: step {name} failed; its log: out/rl_vist/logs/{name}.log" in \
+        result.stderr, result.stderr[-2000:]
+    assert name == "data" or f"rl_vist: failed: {name} " in result.stderr  # a background step: the pool stops
+    assert not any("report.py" in c for c in commands) and "Traceback" not in result.stderr
+    if name == "data":  # the first step: nothing after it runs
+        assert len(commands) == 1
 
 
 @pytest.mark.parametrize("env, message", [

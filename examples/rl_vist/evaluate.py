@@ -40,8 +40,8 @@ the wall time of each step. Writes ``stories/NAME.jsonl``, ``results.json``,
 
 Each policy's figures (with its per-sequence d_HM, distances, scores and
 sentence counts, which report.py's checks read) are kept in
-``OUT_DIR/policies/NAME.json`` and read back while the settings and the
-policy's directory are unchanged. ``--no-report`` evaluates the given
+``OUT_DIR/policies/NAME.json`` and read back while the settings, the
+policy's directory and its files (and the start policy's) are unchanged. ``--no-report`` evaluates the given
 policies into those files only (the first ``--policy`` is then only the KL
 reference, unless it is the only one), so that run.sh evaluates policies in
 parallel processes and reports them together afterwards.
@@ -443,6 +443,14 @@ def evaluate_policy(name: str, directory: str, records: Sequence[dict], scorer: 
     return entry
 
 
+def fingerprint(directory) -> list:
+    """(name, size, modification time) of every file of a model directory: a retrained policy
+    in the same directory is not mistaken for the one evaluated before."""
+    root = Path(directory)
+    return sorted([str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
+                  for f in root.rglob("*") if f.is_file())
+
+
 def _write_text(path: Path, text: str) -> None:
     """Whole or not at all: a killed evaluation leaves no half-written file to be reused."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -457,7 +465,8 @@ def evaluate(heldout, policies: dict[str, str], coherence_model: str, out_dir, s
     """Everything of the module docs; returns the results dict (also written to OUT_DIR).
 
     Each policy's figures are kept in ``OUT_DIR/policies/NAME.json`` and reused
-    while the evaluation settings and the policy's directory are the same, so
+    while the evaluation settings, the policy's directory and its files (sizes,
+    modification times; the start policy's too) are the same, so
     policies can be evaluated by separate processes (``report=False``: only
     those files) and then reported together; delete the file to evaluate a
     policy again."""
@@ -470,7 +479,7 @@ def evaluate(heldout, policies: dict[str, str], coherence_model: str, out_dir, s
     human_scores = scorer(human_texts)
     human = {m: dict(zip((r["story_id"] for r in records), human_scores[m])) for m in DIMENSIONS}
     human_summary = {m: _mean(human_scores[m]) for m in DIMENSIONS}
-    human_summary["per_sequence_scores"] = {m: {k: v for k, v in human[m].items() if math.isfinite(v)}
+    human_summary["per_sequence_scores"] = {m: per_sequence_means(list(human[m]), list(human[m].values()))
                                             for m in DIMENSIONS}
     human_summary.update(story_figures(human_texts))
     # How well the coherence model tells order: the same stories with their sentences shuffled (seeded).
@@ -488,7 +497,9 @@ def evaluate(heldout, policies: dict[str, str], coherence_model: str, out_dir, s
             continue  # only the KL reference here: the start policy is evaluated on its own (run.sh does first)
         cache = out_dir / "policies" / f"{name}.json"
         cached = json.loads(cache.read_text(encoding="utf-8")) if cache.is_file() else None
-        if cached is not None and cached.get("settings") == {**settings, "directory": str(directory)}:
+        mine = {**settings, "directory": str(directory), "weights": fingerprint(directory),
+                "start_weights": fingerprint(policies[start_name])}
+        if cached is not None and cached.get("settings") == mine:
             entry = cached["entry"]
             print(f"{name}: evaluated before ({cache})", flush=True)
         else:
@@ -496,8 +507,7 @@ def evaluate(heldout, policies: dict[str, str], coherence_model: str, out_dir, s
                 start_model, _ = load_policy(policies[start_name])
             entry = evaluate_policy(name, directory, records, scorer, human, start_model, samples, temperature,
                                     max_new_tokens, seed, out_dir / "stories" / f"{name}.jsonl")
-            _write_text(cache, json.dumps({"settings": {**settings, "directory": str(directory)}, "entry": entry})
-                        + "\n")
+            _write_text(cache, json.dumps({"settings": mine, "entry": entry}) + "\n")
             print(f"{name}: d_HM {entry['dhm']:.4f} (coherence {entry['dhm_coherence']:.4f}, repetition "
                   f"{entry['dhm_repetition']:.4f}), KL {entry['kl']:.2f}, distinct-2 {entry['distinct_2']:.3f}, "
                   f"sentences {entry['sentences']:.2f} ({entry['eval_seconds']:.0f} s)", flush=True)

@@ -91,11 +91,14 @@ def claims(results: dict) -> list[Claim]:
     seed = results["seed"]
     out: list[Claim] = []
 
+    def delta(after: dict, before: dict) -> dict:  # one bootstrap seed for every comparison
+        return _delta(after, before, seed)
+
     def per_seed(run: str, check: Callable[[dict], bool]) -> list[tuple[str, bool]]:
         return [(f"{run}@{s}", bool(check(e))) for s, e in sorted(runs.get(run, {}).items())]
 
     def below_zero(after: dict, before: dict) -> bool:
-        return _delta(after, before, seed)["high"] < 0
+        return delta(after, before)["high"] < 0
 
     for run in runs:
         out.append(Claim(f"{run} lowers held-out d_HM", "95% CI of the paired difference to start below 0",
@@ -110,8 +113,7 @@ def claims(results: dict) -> list[Claim]:
     for run in (r for r in runs if r.endswith("_repetition")):
         out.append(Claim(f"{run} overshoots the human repetition score",
                          "95% CI of its repetition score minus the human story's above 0",
-                         per_seed(run, lambda e: _delta(e["per_sequence_scores"]["repetition"], human_rep,
-                                                        seed)["low"] > 0)))
+                         per_seed(run, lambda e: delta(e["per_sequence_scores"]["repetition"], human_rep)["low"] > 0)))
     for algorithm in ALGORITHMS:
         dhm_run, rep_run = f"{algorithm}_dhm", f"{algorithm}_repetition"
         if dhm_run in runs and rep_run in runs:
@@ -126,11 +128,11 @@ def claims(results: dict) -> list[Claim]:
                 out.append(Claim(f"dpo_dhm matches {other} on held-out d_HM",
                                  f"for every pair of seeds, the 95% CI of dpo_dhm minus {other} contains 0",
                                  [(f"dpo_dhm@{a} vs {other}@{b}",
-                                   (lambda d: d["low"] <= 0 <= d["high"])(_delta(e["per_sequence"], f["per_sequence"], seed)))
+                                   (lambda d: d["low"] <= 0 <= d["high"])(delta(e["per_sequence"], f["per_sequence"])))
                                   for a, e in sorted(runs["dpo_dhm"].items()) for b, f in sorted(runs[other].items())]))
         out.append(Claim("dpo_dhm lengthens the stories", "95% CI of its sentences per story minus start's above 0",
-                         per_seed("dpo_dhm", lambda e: _delta(e["per_sequence_sentences"],
-                                                              start["per_sequence_sentences"], seed)["low"] > 0)))
+                         per_seed("dpo_dhm", lambda e: delta(e["per_sequence_sentences"],
+                                                              start["per_sequence_sentences"])["low"] > 0)))
     if "grpo_dhm" in runs and "ppo_dhm" in runs:
         out.append(Claim("against d_HM, GRPO drifts less from the start than PPO",
                          "every grpo_dhm seed's KL to start below every ppo_dhm seed's",

@@ -57,7 +57,9 @@ if [ "$COMMIT" != unknown ] && [ -n "$(git status --porcelain --untracked-files=
     COMMIT="$COMMIT+uncommitted"
 fi
 
-trap 'kill $(jobs -rp) 2>/dev/null; exit 130' INT TERM  # stop the background steps too
+set -m  # each background step in its own process group, so that stopping it stops its python too
+stop_steps() { for pid in $(jobs -rp); do kill -- -"$pid" 2>/dev/null || true; done; }
+trap 'stop_steps; exit 130' INT TERM  # stop the background steps too
 mkdir -p "$OUT/logs" "$OUT/done"
 rm -rf "$OUT/failed"
 mkdir -p "$OUT/failed"
@@ -90,8 +92,8 @@ step() {  # step NAME "PATHS TO CLEAR" COMMAND...: skipped when done; else clear
 
 failed() {  # stop everything when a step failed: finished steps stay done, so a rerun resumes
     if [ -n "$(ls -A "$OUT/failed")" ]; then
-        kill $(jobs -rp) 2>/dev/null || true
-        wait || true
+        stop_steps
+        wait 2>/dev/null || true
         echo "rl_vist: failed: $(ls "$OUT/failed" | tr '\n' ' ')(logs in $OUT/logs); run again to resume" >&2
         exit 1
     fi
