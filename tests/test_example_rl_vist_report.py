@@ -362,13 +362,16 @@ if script == "report.py":
     os.execv(os.environ["REAL_PYTHON"], [os.environ["REAL_PYTHON"], *argv])
 with log.with_suffix(".spans").open("a") as f:
     f.write(f"start {time.time()}\n")
-time.sleep(0.2)  # long enough that a step started before its inputs exist finds them missing
+def pause():  # between checking a step's inputs and writing its outputs: a step started too early finds them missing
+    time.sleep(0.2)
 if script == "prepare_data.py":
+    pause()
     Path(argv[1]).mkdir(parents=True)
     for split in ("train", "val", "heldout"):
         (Path(argv[1]) / f"{split}.jsonl").write_text("{}\n")
 elif script in ("make_albert.py", "make_policy.py"):
     need(argv[1])
+    pause()
     Path(argv[2]).mkdir(parents=True)
 elif script == "train_rl.py" or (script == "storyrl_nouns.py" and argv[1:3] == ["train", "dpo"]):
     need(out / "policy", out / "coherence" / "best")
@@ -376,18 +379,22 @@ elif script == "train_rl.py" or (script == "storyrl_nouns.py" and argv[1:3] == [
         need(out / "pairs" / "train_dhm.spaced.jsonl")
     run = Path(arg("--output-dir"))
     assert not run.exists(), run
+    pause()
     (run / "final").mkdir(parents=True)
     (run / "seed").write_text(arg("--seed"))
 elif script == "storyrl_nouns.py" and argv[1] == "pairs":
     need(out / "policy", out / "coherence" / "best")
+    pause()
     Path(arg("-o")).write_text("{}\n")
 elif script == "space_pairs.py":
     need(argv[1])
+    pause()
     Path(argv[2]).write_text("{}\n")
     Path(arg("--scores")).write_text("story_id,labels\n")
 elif script == "evaluate.py":
     names = [p.split("=", 1) for i, p in enumerate(argv) if i and argv[i - 1] == "--policy"]
     need(arg("--coherence-model"), *(d for _, d in names))
+    pause()
     policies = Path(arg("--out")) / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     if "--no-report" in argv:
@@ -402,12 +409,15 @@ elif script == "evaluate.py":
         (Path(arg("--out")) / "results.json").write_text(json.dumps(results))
 elif tool == "storyrl" and argv[:2] == ["train", "coherence"]:
     need(out / "albert_base")
+    pause()
     (out / "coherence" / "best").mkdir(parents=True)
 elif tool == "storyrl" and argv[:2] == ["train", "reward_model"]:
     need(out / "pairs" / "train_dhm.spaced.jsonl")
+    pause()
     (out / "reward_model" / "final").mkdir(parents=True)
 elif tool == "storyrl" and argv[:2] == ["meta-eval", "pairs"]:
     need(out / "reward_model" / "final", out / "pairs" / "val_dhm.spaced.jsonl")
+    pause()
     o = Path(arg("-o"))
     o.parent.mkdir(parents=True)
     o.with_suffix(".md").write_text("| metric | pair accuracy (n = 3) |\n|---|---:|\n| reward_model | 0.5 |\n")
