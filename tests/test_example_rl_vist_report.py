@@ -362,8 +362,8 @@ if script == "report.py":
     os.execv(os.environ["REAL_PYTHON"], [os.environ["REAL_PYTHON"], *argv])
 with log.with_suffix(".spans").open("a") as f:
     f.write(f"start {time.time()}\n")
-def pause():  # between checking a step's inputs and writing its outputs: a step started too early finds them missing
-    time.sleep(0.2)
+def pause(seconds=0.2):  # between checking a step's inputs and writing its outputs: a step started too early
+    time.sleep(seconds)  # finds them missing
 if script == "prepare_data.py":
     pause()
     Path(argv[1]).mkdir(parents=True)
@@ -379,7 +379,7 @@ elif script == "train_rl.py" or (script == "storyrl_nouns.py" and argv[1:3] == [
         need(out / "pairs" / "train_dhm.spaced.jsonl")
     run = Path(arg("--output-dir"))
     assert not run.exists(), run
-    pause()
+    pause(1.0 if "dpo" in script + " ".join(argv) else 0.2)  # DPO outlasts the evaluations submitted after it
     (run / "final").mkdir(parents=True)
     (run / "seed").write_text(arg("--seed"))
 elif script == "storyrl_nouns.py" and argv[1] == "pairs":
