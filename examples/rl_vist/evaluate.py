@@ -401,12 +401,15 @@ def figure(results: dict):
     return fig
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, make=None) -> None:
+    """``make(results)`` (default :func:`figure`) saved to ``path`` whole or not at all."""
     import matplotlib.pyplot as plt
 
-    fig = figure(results)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    fig = (make or figure)(results)
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    tmp.replace(path)
 
 
 # -- main ----------------------------------------------------------------------------------

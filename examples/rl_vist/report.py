@@ -324,10 +324,6 @@ def _lines(path: str) -> list[str]:
 # -- the plot ---------------------------------------------------------------------------------
 
 
-def _legend_outside(ax) -> None:
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
-
-
 def figure(results: dict):
     """results.png: held-out d_HM per policy (a point per seed, the mean as a bar), each seed's
     training reward (the mean over seeds bold), and each seed's improvement against its drift."""
@@ -336,6 +332,7 @@ def figure(results: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from evaluate import _legend_outside
 
     runs = group(results)
     start = results["policies"][results["start"]]
@@ -396,13 +393,9 @@ def figure(results: dict):
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    import evaluate
 
-    fig = figure(results)
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    tmp.replace(path)
+    evaluate.plot(results, path, figure)
 
 
 # -- main -------------------------------------------------------------------------------------
