@@ -345,6 +345,19 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def reward_curve(training: dict):
+    """(steps, reward - its first value) of a run's training figures: a reward every step as a
+    moving mean of 10 (at the window's last step); DPO's few monitoring points as they are."""
+    import numpy as np
+
+    curve = np.array(training["curve"], dtype=float)
+    if training.get("curve_steps"):
+        return np.array(training["curve_steps"]), curve - curve[0]
+    k = min(10, len(curve))
+    smooth = np.convolve(np.nan_to_num(curve, nan=np.nanmean(curve)), np.ones(k) / k, mode="valid")
+    return np.arange(len(smooth)) + k, smooth - smooth[0]
+
+
 def _legend_outside(ax) -> None:
     """Right of the axes, where it cannot cover a bar, a curve or a point."""
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
@@ -372,15 +385,14 @@ def figure(results: dict):
     _legend_outside(ax)
     ax = axes[1]
     for n in names:
-        t = pol[n].get("training")
-        if t and t.get("curve_steps"):  # DPO: the monitoring stories' reward, a few points
-            curve = np.array(t["curve"], dtype=float)
-            ax.plot(t["curve_steps"], curve - curve[0], marker="o", ls=":", label=f"{n} (monitor)")
-        elif t and t.get("curve"):
-            curve = np.array(t["curve"], dtype=float)
-            k = min(10, len(curve))
-            smooth = np.convolve(np.nan_to_num(curve, nan=np.nanmean(curve)), np.ones(k) / k, mode="valid")
-            ax.plot(np.arange(len(smooth)) + k, smooth - smooth[0], label=n, ls="--" if "repetition" in n else "-")
+        t = pol[n].get("training") or {}
+        if not t.get("curve"):
+            continue
+        steps, change = reward_curve(t)
+        if t.get("curve_steps"):  # DPO: the monitoring stories' reward, a few points
+            ax.plot(steps, change, marker="o", ls=":", label=f"{n} (monitor)")
+        else:
+            ax.plot(steps, change, label=n, ls="--" if "repetition" in n else "-")
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_xlabel("logged step")
     ax.set_ylabel("training reward - its start (moving mean of 10)")

@@ -332,7 +332,7 @@ def figure(results: dict):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from evaluate import _legend_outside
+    from evaluate import _legend_outside, reward_curve
 
     runs = group(results)
     start = results["policies"][results["start"]]
@@ -360,14 +360,9 @@ def figure(results: dict):
             t = e.get("training") or {}
             if not t.get("curve"):
                 continue
-            curve = np.array(t["curve"], dtype=float)
-            steps = np.array(t["curve_steps"]) if t.get("curve_steps") else np.arange(1, len(curve) + 1)
-            if not t.get("curve_steps"):  # a reward every step: moving mean of 10
-                k = min(10, len(curve))
-                curve = np.convolve(np.nan_to_num(curve, nan=np.nanmean(curve)), np.ones(k) / k, mode="valid")
-                steps = steps[k - 1:]
-            curves.append((steps, curve - curve[0]))
-            ax.plot(steps, curve - curve[0], color=colours[run], lw=0.6, alpha=0.5,
+            steps, change = reward_curve(t)
+            curves.append((steps, change))
+            ax.plot(steps, change, color=colours[run], lw=0.6, alpha=0.5,
                     marker="o" if t.get("curve_steps") else None, ms=2)
         if curves and len({len(c) for _, c in curves}) == 1:
             ax.plot(curves[0][0], np.mean([c for _, c in curves], axis=0), color=colours[run], lw=2,
